@@ -1,0 +1,53 @@
+"""ddo_blocks: weight offloading for low-VRAM diffusion inference, with a Rust core.
+
+Quick start::
+
+    import ddo_blocks
+    handle = ddo_blocks.offload(transformer, route="linear", preset="auto", vram_budget="6GiB")
+    out = transformer(**inputs)          # runs within the budget, same output as resident
+    print(handle.report())
+    handle.remove()                      # restores the module exactly
+"""
+
+from . import presets
+from ._native import __version__
+from .api import OffloadHandle, OffloadResult, enable_offload, get_handle, offload, resolve_device
+from .budget import fmt_bytes, parse_bytes
+from .engine.slabs import release_warm_slabs, warm_bytes
+from .errors import (
+    BudgetError,
+    CheckpointError,
+    ConfigError,
+    CudaError,
+    CudaNotAvailableError,
+    DdoError,
+    OffloadMemoryError,
+    OffloadStateError,
+    PlanError,
+)
+from .report import Report
+
+__all__ = [
+    "BudgetError",
+    "CheckpointError",
+    "ConfigError",
+    "CudaError",
+    "CudaNotAvailableError",
+    "DdoError",
+    "OffloadHandle",
+    "OffloadMemoryError",
+    "OffloadResult",
+    "OffloadStateError",
+    "PlanError",
+    "Report",
+    "__version__",
+    "enable_offload",
+    "fmt_bytes",
+    "get_handle",
+    "offload",
+    "parse_bytes",
+    "presets",
+    "release_warm_slabs",
+    "resolve_device",
+    "warm_bytes",
+]

@@ -1,0 +1,215 @@
+"""The public offload API: ``offload()`` and the ``OffloadHandle`` it returns, plus
+``enable_offload()`` for users coming from the original DDO."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from . import _native
+from .budget import parse_bytes
+from .engine.linear import LinearEngine
+from .engine.resident import OffEngine, ResidentEngine
+from .errors import ConfigError, CudaNotAvailableError, OffloadStateError
+from .presets import HostMode, Preset, resolve
+from .report import Report, build_report
+from .units import split_units, tensor_nbytes
+
+_ATTR = "_ddo_offload"
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Parses ``device`` and checks it can be used, before anything moves.
+
+    Raises:
+        CudaNotAvailableError: a CUDA device was asked on a machine without a usable driver or GPU.
+        ConfigError: the device is not ``cpu`` or ``cuda[:N]``.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={device!r} is not a device; use 'cuda', 'cuda:N' or 'cpu'") from exc
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"device={device!r} is not supported; use 'cuda', 'cuda:N' or 'cpu'")
+    reason = _native.cuda_unavailable_reason()
+    if reason is None and not torch.cuda.is_available():
+        reason = "PyTorch reports no CUDA device (a CPU-only build of torch, or CUDA_VISIBLE_DEVICES is empty)"
+    if reason is not None:
+        raise CudaNotAvailableError(f"device={str(device)!r} was asked but {reason}; use device='cpu' here")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise CudaNotAvailableError(
+            f"device={str(device)!r} was asked but this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return torch.device("cuda", index)
+
+
+class OffloadHandle:
+    """One offloaded component. ``module`` is the same object that was passed in.
+
+    Use ``report()`` for what the offload did (plan, setup, per-call timings, memory) and ``remove()``
+    to restore the module exactly (same parameters, same values, same devices as before).
+    """
+
+    def __init__(self, module: nn.Module, engine: Any, *, route: str, preset: Preset, requested: str,
+                 component: str | None, vram_budget: int | None, device: torch.device):
+        self.module = module
+        self.engine = engine
+        self.route = route
+        self.preset = preset
+        self.requested_preset = requested
+        self.component = component or type(module).__name__
+        self.vram_budget = vram_budget
+        self.device = device
+        self._removed = False
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        return getattr(self.engine, "plan", None)
+
+    def report(self) -> Report:
+        """The measured record of this offload (see ``ddo_blocks.report``)."""
+        return build_report(self)
+
+    def remove(self) -> None:
+        """Removes the offload and restores the module.
+
+        Raises:
+            OffloadStateError: already removed, or called while the module is running.
+        """
+        if self._removed:
+            raise OffloadStateError(
+                f"the offload of {self.component} was already removed; offload() the module again to reuse it"
+            )
+        self.engine.detach()
+        self._removed = True
+        if getattr(self.module, _ATTR, None) is self:
+            delattr(self.module, _ATTR)
+
+    def __enter__(self) -> OffloadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._removed:
+            self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active"
+        return (f"OffloadHandle({self.component}, route={self.route!r}, preset={self.preset.name!r}, "
+                f"device={str(self.device)!r}, {state})")
+
+
+def offload(
+    module: nn.Module,
+    *,
+    route: str = "linear",
+    preset: str = "auto",
+    vram_budget: int | str | None = None,
+    device: str | torch.device = "cuda",
+    component: str | None = None,
+) -> OffloadHandle:
+    """Offloads a module's weights so it runs within a VRAM budget.
+
+    Everything is validated before any weight moves; on any error the module is left as it was.
+
+    Args:
+        module: the component (a diffusers model, a transformers encoder, any ``nn.Module``).
+        route: ``"linear"`` (stream through GPU slots), ``"resident"`` or ``"off"``.
+        preset: the route's policy; ``python -m ddo_blocks presets`` lists them. ``"auto"`` chooses.
+        vram_budget: bytes or a string such as ``"6GiB"`` for the component's weights on the device
+            (activations come on top). ``None``: no limit (everything resident).
+        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (the same engine, slots in host memory).
+        component: a name for reports, e.g. ``"transformer"``.
+
+    Returns:
+        An :class:`OffloadHandle`.
+
+    Raises:
+        ConfigError: unknown route or preset, malformed budget, a module with no parameters.
+        BudgetError: the budget cannot hold the always-resident weights plus two slots.
+        CudaNotAvailableError: ``device="cuda"`` without a usable driver.
+        OffloadStateError: the module is already offloaded.
+        OffloadMemoryError: out of GPU memory while setting up (the module is restored).
+    """
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"offload() needs a torch.nn.Module, got {type(module).__name__}")
+    existing = getattr(module, _ATTR, None)
+    if existing is not None:
+        raise OffloadStateError(
+            f"{type(module).__name__} is already offloaded ({existing!r}); call .remove() on that handle first"
+        )
+    resolve(route, preset)  # names first: errors list the valid ones
+    budget = parse_bytes(vram_budget, what="vram_budget")
+    dev = resolve_device(device)
+    params = list(module.parameters())
+    if not params:
+        raise ConfigError(
+            f"{type(module).__name__} has no parameters: there is nothing to offload; use route='off'"
+        )
+    engine: Any
+    if route == "linear":
+        units, _ = split_units(module)
+        streamed_guess = sum(tensor_nbytes(p) for u in units for _, p in u.params)
+        chosen = resolve(route, preset, streamed_bytes=streamed_guess,
+                         available_ram=psutil.virtual_memory().available)
+        engine = OffEngine(module, dev) if chosen.host is HostMode.CALLER else LinearEngine(module, chosen, budget, dev)
+    elif route == "resident":
+        chosen = resolve(route, preset)
+        engine = ResidentEngine(module, dev)
+    else:
+        chosen = resolve(route, preset)
+        engine = OffEngine(module, dev)
+    engine.attach()
+    handle = OffloadHandle(module, engine, route=route, preset=chosen, requested=preset, component=component,
+                           vram_budget=budget, device=dev)
+    setattr(module, _ATTR, handle)
+    return handle
+
+
+def get_handle(module: nn.Module) -> OffloadHandle | None:
+    """The active offload of ``module``, if any."""
+    return getattr(module, _ATTR, None)
+
+
+@dataclass
+class OffloadResult:
+    """What ``enable_offload`` returns, shaped like the original DDO's result."""
+
+    module: nn.Module
+    handle: OffloadHandle
+
+    @property
+    def report(self) -> Report:
+        return self.handle.report()
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def enable_offload(
+    module: nn.Module,
+    preset: str = "auto",
+    component: str = "transformer",
+    *,
+    route: str = "linear",
+    vram_budget: int | str | None = None,
+    device: str | torch.device | None = None,
+) -> OffloadResult:
+    """The original DDO's entry point: ``enable_offload(transformer, preset="auto",
+    component="transformer").module``. The VRAM budget defaults to ``DDO_VRAM_BUDGET`` if set.
+    """
+    budget = vram_budget if vram_budget is not None else os.environ.get("DDO_VRAM_BUDGET")
+    handle = offload(module, route=route, preset=preset, vram_budget=budget,
+                     device=device if device is not None else "cuda", component=component)
+    return OffloadResult(module=handle.module, handle=handle)

@@ -1,0 +1,398 @@
+"""The linear route's streaming engine.
+
+Per component: units in confirmed execution order; a static resident set and K slots from the
+planner; streamed units packed into host slabs; K slots of the largest streamed unit allocated once
+through PyTorch, with the (unit, slot) tensor views built once; copies on a side stream ordered by
+events (``_native.Transport``), never a device-wide synchronisation; cyclic prefetch: when a slot
+is released the next unit in execution order (wrapping into the next call) is fetched into it.
+
+The same engine runs with ``device="cpu"``: slots live in ordinary memory and copies are memcpy,
+so planning, slot binding, hooks and exactness are all exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import _native
+from ..errors import OffloadMemoryError, OffloadStateError
+from ..presets import HostMode, Preset
+from ..units import Unit, split_units, tensor_nbytes
+from . import bandwidth
+from .slabs import SlabSet
+
+ENTRY_METHODS = ("encode", "decode")
+"""Entry points besides ``forward`` that start a call (VAEs); wrapped so order learning and call
+timing see them too."""
+
+
+@dataclass
+class CallRecord:
+    seconds: float
+    h2d_bytes: int
+    misses: int
+
+
+@dataclass
+class EngineStats:
+    setup_s: float = 0.0
+    pack_s: float = 0.0
+    calls: list[CallRecord] = field(default_factory=list)
+    misses: int = 0
+    order_changes: int = 0
+
+
+def _streams_for(device: torch.device) -> tuple[Any, Callable[[], int]]:
+    if device.type == "cuda":
+        copy_stream = torch.cuda.Stream(device)
+        return copy_stream, lambda: torch.cuda.current_stream(device).cuda_stream
+    return None, lambda: 0
+
+
+class LinearEngine:
+    """Streams one component's units through K device slots. Created by ``ddo_blocks.offload``."""
+
+    def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device):
+        self.module = module
+        self.preset = preset
+        self.budget = budget
+        self.device = device
+        self.units: list[Unit]
+        self.units, self.leftovers = split_units(module)
+        self.buffers = [
+            (owner, name, buf)
+            for owner in module.modules()
+            for name, buf in owner._buffers.items()
+            if buf is not None
+        ]
+        self.base_bytes = sum(tensor_nbytes(p) for _, p in self.leftovers) + sum(
+            tensor_nbytes(b) for _, _, b in self.buffers
+        )
+        self.unit_bytes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in self.units]
+        self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
+        self.plan = _native.plan(
+            self.unit_bytes,
+            base_bytes=self.base_bytes,
+            budget_bytes=budget,
+            link_bytes_per_s=self.link_bytes_per_s,
+            compute_bytes_per_s=bandwidth.compute_bytes_per_s(device, self.link_bytes_per_s),
+            min_slots=preset.min_slots,
+            max_slots=preset.max_slots,
+        )
+        self.stats = EngineStats()
+        self._orig_device: dict[int, torch.device] = {}
+        self._orig_buffers: list[tuple[nn.Module, str, torch.device]] = []
+        self.streamed = [u for u, r in zip(self.units, self.plan["resident"]) if not r]
+        self.resident_units = [u for u, r in zip(self.units, self.plan["resident"]) if r]
+        self.slabs: SlabSet | None = None
+        self.transport: Any = None
+        self.slot_storage: torch.Tensor | None = None
+        self.slot_views: list[list[list[torch.Tensor]]] = []
+        self.slot_bytes = 0
+        self.n_slots = 0
+        self._hooks: list[Any] = []
+        self._wrapped: list[str] = []
+        self._depth = 0
+        self._attached = False
+        # pipeline state (indices into self.streamed)
+        self.sched: list[int] = list(range(len(self.streamed)))
+        self._sched_pos: dict[int, int] = {u: i for i, u in enumerate(self.sched)}
+        self._next = 0
+        self._inflight: collections.deque[tuple[int, int]] = collections.deque()
+        self._free: collections.deque[int] = collections.deque()
+        self._running: tuple[int, int] | None = None
+        self._trace: list[int] = []
+        self._call_t0 = 0.0
+        self._call_events: Any = None
+        self._call_bytes0 = 0
+        self._call_misses0 = 0
+        self._pending_cuda_calls: list[tuple[Any, Any, int, int]] = []
+        self._copy_stream, self._compute_stream = _streams_for(device)
+
+    # ---------------------------------------------------------------------------------------------
+    # attach / detach
+    # ---------------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        t0 = time.perf_counter()
+        for _, p in self.module.named_parameters():
+            self._orig_device[id(p)] = p.device
+        try:
+            self._place_resident()
+            tp = time.perf_counter()
+            self._build_slabs()
+            self.stats.pack_s = time.perf_counter() - tp
+            self._build_slots()
+            self._install_hooks()
+        except Exception as exc:
+            self._rollback()
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise OffloadMemoryError(
+                    f"out of GPU memory while setting up the offload of {type(self.module).__name__} "
+                    f"(plan needs {self.plan['gpu_bytes']} bytes on {self.device}); the module was "
+                    "restored; pass a smaller vram_budget or free GPU memory"
+                ) from exc
+            raise
+        self._attached = True
+        self._topup()
+        self.stats.setup_s = time.perf_counter() - t0
+
+    def _place_resident(self) -> None:
+        dev = self.device
+        for owner, name, buf in self.buffers:
+            self._orig_buffers.append((owner, name, buf.device))
+            if buf.device != dev:
+                owner._buffers[name] = buf.to(dev)
+        for _, p in self.leftovers:
+            if p.device != dev:
+                p.data = p.data.to(dev)
+        for u in self.resident_units:
+            for _, p in u.params:
+                if p.device != dev:
+                    p.data = p.data.to(dev)
+
+    def _build_slabs(self) -> None:
+        if not self.streamed:
+            return
+        pin = self.device.type == "cuda" and self.preset.host is HostMode.PINNED_SLABS
+        ordinal = self.device.index or 0
+        self.slabs = SlabSet(self.streamed, pin=pin, ordinal=ordinal, keep_warm=self.preset.keep_warm)
+        self.slabs.pack()
+
+    def _build_slots(self) -> None:
+        if not self.streamed:
+            return
+        self.n_slots = max(1, min(int(self.plan["slots"]), len(self.streamed)))
+        self.slot_bytes = max(self.slabs.unit_nbytes) if self.slabs else 0
+        self.slot_storage = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.slot_views = []
+        for u, unit in enumerate(self.streamed):
+            per_slot = []
+            for s in range(self.n_slots):
+                base = self.slot_storage[s * self.slot_bytes : (s + 1) * self.slot_bytes]
+                views = []
+                for (_, p), off in zip(unit.params, self.slabs.param_offsets[u]):
+                    n = tensor_nbytes(p)
+                    views.append(base[off : off + n].view(p.dtype).view(p.shape))
+                per_slot.append(views)
+            self.slot_views.append(per_slot)
+        staging = None
+        if self.preset.host is HostMode.PAGEABLE_STAGED:
+            staging = (
+                self.preset.staging_buffers,
+                self.preset.staging_buffer_mib * 1024 * 1024,
+                self.preset.staging_threads,
+                True,
+            )
+        copy_stream = self._copy_stream.cuda_stream if self._copy_stream is not None else 0
+        self.transport = _native.Transport(
+            self.device.type, self.device.index or 0, self.n_slots, copy_stream, staging
+        )
+        self._free = collections.deque(range(self.n_slots))
+
+    def _install_hooks(self) -> None:
+        # Root hooks first: when the root is itself a unit, the call starts before the unit does.
+        self._hooks.append(self.module.register_forward_pre_hook(lambda m, a: self._enter()))
+        self._hooks.append(self.module.register_forward_hook(lambda m, a, o: self._exit(), always_call=True))
+        for u, unit in enumerate(self.streamed):
+            self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(u)))
+            self._hooks.append(unit.module.register_forward_hook(self._make_post(u), always_call=True))
+        for name in ENTRY_METHODS:
+            method = getattr(self.module, name, None)
+            if callable(method) and name not in vars(self.module):
+                setattr(self.module, name, self._wrap_entry(method))
+                self._wrapped.append(name)
+
+    def _wrap_entry(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        engine = self
+
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            engine._enter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                engine._exit()
+
+        entry.__wrapped__ = method  # type: ignore[attr-defined]
+        entry.__doc__ = method.__doc__
+        return entry
+
+    def detach(self) -> None:
+        """Restores every parameter and buffer to its original device with its own memory."""
+        if self._depth > 0:
+            raise OffloadStateError(
+                f"cannot remove the offload of {type(self.module).__name__} while it is running; "
+                "call remove() after the forward (or encode/decode) returns"
+            )
+        self._rollback()
+        self._attached = False
+
+    def _rollback(self) -> None:
+        """Undoes whatever part of the attach happened. Safe on a partial attach."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for name in self._wrapped:
+            self.module.__dict__.pop(name, None)
+        self._wrapped.clear()
+        if self.transport is not None:
+            try:
+                self.transport.close()  # drains in-flight copies before slots and slabs go
+            finally:
+                self.transport = None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if self._running is not None:
+            self._running = None
+        self.slot_views = []
+        self.slot_storage = None
+        self._inflight.clear()
+        if self.slabs is not None:
+            self.slabs.release(self._orig_device, keep_warm=self.preset.keep_warm and self._attached)
+            self.slabs = None
+        for _, p in self.module.named_parameters():
+            dev = self._orig_device.get(id(p))
+            if dev is not None and p.device != dev:
+                p.data = p.data.to(dev)
+        for owner, name, dev in self._orig_buffers:
+            buf = owner._buffers.get(name)
+            if buf is not None and buf.device != dev:
+                owner._buffers[name] = buf.to(dev)
+        self._orig_buffers.clear()
+
+    # ---------------------------------------------------------------------------------------------
+    # the pipeline
+    # ---------------------------------------------------------------------------------------------
+    def _fetch(self, u: int, slot: int) -> None:
+        assert self.slabs is not None and self.slot_storage is not None
+        dst = self.slot_storage.data_ptr() + slot * self.slot_bytes
+        self.transport.fetch(slot, dst, self.slabs.unit_ptr(u), self.slabs.unit_nbytes[u])
+
+    def _topup(self) -> None:
+        if not self.sched:
+            return
+        while self._free:
+            u = self.sched[self._next]
+            self._next = (self._next + 1) % len(self.sched)
+            slot = self._free.popleft()
+            self._fetch(u, slot)
+            self._inflight.append((u, slot))
+
+    def _drop_inflight(self) -> None:
+        while self._inflight:
+            self._free.append(self._inflight.popleft()[1])
+
+    def _bind(self, unit: Unit, views: list[torch.Tensor]) -> None:
+        for (_, p), v in zip(unit.params, views):
+            p.data = v
+
+    def _make_pre(self, u: int) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any) -> None:
+            self._unit_start(u)
+
+        return pre
+
+    def _make_post(self, u: int) -> Callable[..., None]:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            self._unit_end(u)
+
+        return post
+
+    def _unit_start(self, u: int) -> None:
+        if self._running is not None:  # the previous unit raised or units nest: settle it first
+            self._unit_end(self._running[0])
+        self._trace.append(u)
+        if self._inflight and self._inflight[0][0] == u:
+            _, slot = self._inflight.popleft()
+        else:
+            self.stats.misses += 1
+            self._drop_inflight()
+            pos = self._sched_pos.get(u)
+            if pos is not None:
+                self._next = (pos + 1) % len(self.sched)
+            slot = self._free.popleft()
+            self._fetch(u, slot)
+        self.transport.acquire(slot, self._compute_stream())
+        self._bind(self.streamed[u], self.slot_views[u][slot])
+        self._running = (u, slot)
+        self._topup()
+
+    def _unit_end(self, u: int) -> None:
+        if self._running is None or self._running[0] != u:
+            return
+        slot = self._running[1]
+        self._running = None
+        self.transport.release(slot, self._compute_stream())
+        self._bind(self.streamed[u], self.slabs.host_views[u])
+        self._free.append(slot)
+        self._topup()
+
+    def _enter(self) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        if self._running is not None:
+            self._unit_end(self._running[0])
+        self._trace = []
+        self._call_misses0 = self.stats.misses
+        self._call_bytes0 = self.transport.stats()[1] if self.transport is not None else 0
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.device))
+            self._call_events = start
+        self._call_t0 = time.perf_counter()
+
+    def _exit(self) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        if self._running is not None:
+            self._unit_end(self._running[0])
+        nbytes = (self.transport.stats()[1] if self.transport is not None else 0) - self._call_bytes0
+        misses = self.stats.misses - self._call_misses0
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self._pending_cuda_calls.append((self._call_events, end, nbytes, misses))
+        else:
+            self.stats.calls.append(CallRecord(time.perf_counter() - self._call_t0, nbytes, misses))
+        if self._trace and self._trace != self.sched:
+            # Learn the confirmed execution order; refetch the start of the next call in it.
+            self.stats.order_changes += 1
+            self.sched = list(self._trace)
+            self._sched_pos = {}
+            for i, v in enumerate(self.sched):
+                self._sched_pos.setdefault(v, i)
+            self._drop_inflight()
+            self._next = 0
+            self._topup()
+
+    def call_records(self) -> list[CallRecord]:
+        """Per-call timings (CUDA calls are resolved here, which waits for them to finish)."""
+        for start, end, nbytes, misses in self._pending_cuda_calls:
+            end.synchronize()
+            self.stats.calls.append(CallRecord(start.elapsed_time(end) / 1e3, nbytes, misses))
+        self._pending_cuda_calls.clear()
+        return self.stats.calls
+
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(self.unit_bytes[u.index] for u in self.streamed)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.base_bytes + sum(self.unit_bytes[u.index] for u in self.resident_units)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.resident_bytes + self.n_slots * self.slot_bytes
+
+    def transport_stats(self) -> tuple[int, int, float]:
+        return self.transport.stats() if self.transport is not None else (0, 0, 0.0)
+

@@ -1,0 +1,197 @@
+"""Host slabs: the streamed units' weights packed contiguously into a few exact-size allocations.
+
+Each unit's tensors sit at 256-byte aligned offsets inside one slab (layout from the Rust core), so a
+unit crosses the link as one copy. The module's CPU parameters become views into the slabs: host RAM
+is about 1.0x the streamed weights, not a second copy. Slabs are page-locked (``cuMemHostRegister``
+on the exact range) for the pinned presets, and left pageable for the staged ones.
+
+``warm_process`` keeps slabs (and their page-locking) in a process-wide registry after ``remove()``;
+parameters keep pointing into them, so offloading the same weights again finds every tensor already
+in place and neither copies nor pins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _native
+from ..units import Unit
+
+ALIGN = 256
+PAGE = 4096
+MAX_SLAB_BYTES = 1 << 30
+"""Slab size cap: big enough that pinning is a handful of calls, small enough that packing or
+releasing one slab at a time bounds the transient extra RAM."""
+
+
+@dataclass
+class Slab:
+    storage: torch.Tensor
+    """The uint8 allocation (a little larger than the slab, so the slab can start on a page)."""
+    base: torch.Tensor
+    """The slab itself: ``nbytes`` bytes starting on a page boundary."""
+    registration: object | None
+    """``_native.HostRegistration`` while page-locked."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.numel()
+
+    @property
+    def ptr(self) -> int:
+        return self.base.data_ptr()
+
+    def close(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
+            self.registration = None
+
+
+_WARM: dict[int, Slab] = {}
+"""Page-locked slabs kept for the process by ``warm_process``, by slab address."""
+
+
+def release_warm_slabs() -> int:
+    """Unpins and forgets every slab ``warm_process`` kept. Parameters that still point into them
+    keep their values (the memory stays allocated while referenced). Returns the bytes released."""
+    total = 0
+    for slab in list(_WARM.values()):
+        total += slab.nbytes
+        slab.close()
+    _WARM.clear()
+    return total
+
+
+def warm_bytes() -> int:
+    """Bytes currently kept page-locked by ``warm_process``."""
+    return sum(s.nbytes for s in _WARM.values())
+
+
+def _alloc(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    storage = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = (-storage.data_ptr()) % PAGE
+    return storage, storage[skip : skip + nbytes]
+
+
+def _view(base: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    n = like.numel() * like.element_size()
+    return base[offset : offset + n].view(like.dtype).view(like.shape)
+
+
+class SlabSet:
+    """The host side of one offloaded component's streamed units."""
+
+    def __init__(self, units: list[Unit], *, pin: bool, ordinal: int, keep_warm: bool):
+        self.units = units
+        self.pin = pin
+        self.keep_warm = keep_warm
+        self.ordinal = ordinal
+        layouts = [_native.layout_unit([p.numel() * p.element_size() for _, p in u.params]) for u in units]
+        self.param_offsets: list[list[int]] = [offs for offs, _ in layouts]
+        self.unit_nbytes: list[int] = [n for _, n in layouts]
+        slab_sizes, placements = _native.layout_slabs(self.unit_nbytes, MAX_SLAB_BYTES)
+        self.slab_sizes: list[int] = slab_sizes
+        self.placement: list[tuple[int, int]] = [(s, off) for s, off, _ in placements]
+        self.slabs: list[Slab] = []
+        self.host_views: list[list[torch.Tensor]] = []
+        self.reused_warm = False
+        self.bytes_packed = 0
+
+    # -- setup -------------------------------------------------------------------------------------
+    def _find_warm(self) -> list[Slab] | None:
+        """The warm slabs that already hold every streamed tensor at its planned place, if any."""
+        if not self.keep_warm or not _WARM or not self.units:
+            return None
+        slabs: dict[int, Slab] = {}
+        for unit, offsets, (s, uoff) in zip(self.units, self.param_offsets, self.placement):
+            for (_, p), off in zip(unit.params, offsets):
+                if p.device.type != "cpu":
+                    return None
+                storage_ptr = p.untyped_storage().data_ptr()
+                slab = slabs.get(s)
+                if slab is None:
+                    slab = next((w for w in _WARM.values() if w.storage.data_ptr() == storage_ptr), None)
+                    if slab is None or slab.nbytes != self.slab_sizes[s]:
+                        return None
+                    slabs[s] = slab
+                if p.data_ptr() != slab.ptr + uoff + off or not p.is_contiguous():
+                    return None
+        if sorted(slabs) != list(range(len(self.slab_sizes))):
+            return None
+        return [slabs[i] for i in range(len(self.slab_sizes))]
+
+    def pack(self) -> None:
+        """Allocates the slabs, copies every streamed tensor in, points the parameters at their
+        slab views, and page-locks each slab (pinned presets). One slab at a time, so the extra
+        host memory during setup is at most one slab."""
+        warm = self._find_warm()
+        if warm is not None:
+            self.slabs = warm
+            self.reused_warm = True
+            for slab in warm:
+                _WARM.pop(slab.ptr, None)
+            self.host_views = [
+                [p.data for _, p in unit.params] for unit in self.units
+            ]
+            return
+        by_slab: list[list[int]] = [[] for _ in self.slab_sizes]
+        for u, (s, _) in enumerate(self.placement):
+            by_slab[s].append(u)
+        self.host_views = [[] for _ in self.units]
+        for s, size in enumerate(self.slab_sizes):
+            storage, base = _alloc(size)
+            slab = Slab(storage, base, None)
+            self.slabs.append(slab)
+            for u in by_slab[s]:
+                uoff = self.placement[u][1]
+                views = []
+                for (_, p), off in zip(self.units[u].params, self.param_offsets[u]):
+                    v = _view(base, uoff + off, p.data)
+                    v.copy_(p.data)
+                    p.data = v
+                    views.append(v)
+                    self.bytes_packed += v.numel() * v.element_size()
+                self.host_views[u] = views
+            if self.pin:
+                slab.registration = _native.HostRegistration(storage, base.data_ptr(), size, self.ordinal)
+
+    # -- access ------------------------------------------------------------------------------------
+    def unit_ptr(self, u: int) -> int:
+        s, off = self.placement[u]
+        return self.slabs[s].ptr + off
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slabs if s.registration is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.slab_sizes)
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
+        """Gives every parameter its own memory back on its original device and frees the slabs,
+        one at a time. With ``keep_warm``, parameters of CPU modules stay in their (still pinned)
+        slabs, which move to the process registry for the next offload of the same weights."""
+        all_cpu = all(orig_device[id(p)].type == "cpu" for u in self.units for _, p in u.params)
+        if keep_warm and all_cpu and self.pin:
+            for u, unit in enumerate(self.units):
+                for (_, p), v in zip(unit.params, self.host_views[u]):
+                    p.data = v
+            for slab in self.slabs:
+                _WARM[slab.ptr] = slab
+            self.slabs = []
+            return
+        by_slab: list[list[int]] = [[] for _ in self.slabs]
+        for u, (s, _) in enumerate(self.placement):
+            by_slab[s].append(u)
+        for s, slab in enumerate(self.slabs):
+            for u in by_slab[s]:
+                for (_, p), v in zip(self.units[u].params, self.host_views[u]):
+                    dev = orig_device[id(p)]
+                    p.data = v.clone() if dev.type == "cpu" else v.to(dev)
+            slab.close()
+        self.slabs = []
+        self.host_views = []

@@ -1,0 +1,183 @@
+"""Routes and presets: small frozen value objects, one registry, one command to list them.
+
+A *route* is the runtime family that places a component's weights; a *preset* is the policy inside
+it. ``python -m ddo_blocks presets`` prints this registry.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import platform
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+
+class HostMode(str, enum.Enum):
+    """Where the streamed weights live on the host and how they reach the GPU."""
+
+    PINNED_SLABS = "pinned_slabs"
+    """Exact-size page-locked slabs; one asynchronous copy per unit straight to its GPU slot."""
+    PAGEABLE_STAGED = "pageable_staged"
+    """Ordinary (pageable) slabs; a background thread moves each unit through a bounded ring of
+    small page-locked buffers."""
+    CALLER = "caller"
+    """Nothing is moved: the caller owns placement."""
+    RESIDENT = "resident"
+    """Every weight on the device."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One policy of a route.
+
+    Args:
+        route: the route this preset belongs to.
+        name: the preset's name, as users pass it.
+        summary: one line on what it does and when to pick it.
+        host: how weights are held on the host and moved.
+        keep_warm: keep pinned slabs for the process after ``remove()`` and reuse them when the same
+            weights are offloaded again.
+        staging_buffers / staging_buffer_mib / staging_threads: the staging ring (``PAGEABLE_STAGED``).
+        min_slots / max_slots: range of GPU slots the planner may choose.
+        host_ram_ratio: host RAM the preset promises, as a multiple of the streamed weight bytes.
+    """
+
+    route: str
+    name: str
+    summary: str
+    host: HostMode
+    keep_warm: bool = False
+    staging_buffers: int = 0
+    staging_buffer_mib: int = 0
+    staging_threads: int = 0
+    min_slots: int = 2
+    max_slots: int = 4
+    host_ram_ratio: str = "1.0x"
+    aliases: tuple[str, ...] = field(default=())
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging_buffers * self.staging_buffer_mib * 1024 * 1024
+
+
+def _staging_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+LINEAR_PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "linear",
+            "one_shot_fast",
+            "pinned exact-size slabs (host RAM ~1.0x streamed weights), one async copy per unit, "
+            "cyclic prefetch; slabs freed on remove()",
+            HostMode.PINNED_SLABS,
+        ),
+        Preset(
+            "linear",
+            "warm_process",
+            "as one_shot_fast, but the pinned slabs stay for the process and are reused without "
+            "copying or pinning when the same weights are offloaded again",
+            HostMode.PINNED_SLABS,
+            keep_warm=True,
+        ),
+        Preset(
+            "linear",
+            "low_ram_safe",
+            "no pinned copy of the weights: pageable slabs pass through a 4 x 64 MiB pinned staging "
+            "ring filled by several threads (host RAM ~1.0x + 256 MiB)",
+            HostMode.PAGEABLE_STAGED,
+            staging_buffers=4,
+            staging_buffer_mib=64,
+            staging_threads=_staging_threads(),
+            host_ram_ratio="1.0x + 256 MiB",
+        ),
+        Preset(
+            "linear",
+            "wsl_compat",
+            "no large page-locked regions (WSL2 limits them): pageable slabs through a 4 x 16 MiB "
+            "pinned staging ring",
+            HostMode.PAGEABLE_STAGED,
+            staging_buffers=4,
+            staging_buffer_mib=16,
+            staging_threads=_staging_threads(),
+            host_ram_ratio="1.0x + 64 MiB",
+        ),
+        Preset(
+            "linear",
+            "off",
+            "attach nothing: the caller owns placement (the report still records the component)",
+            HostMode.CALLER,
+            host_ram_ratio="unchanged",
+        ),
+    )
+}
+
+RESIDENT_PRESETS: dict[str, Preset] = {
+    "resident": Preset(
+        "resident",
+        "resident",
+        "every weight on the device; remove() puts them back where they were",
+        HostMode.RESIDENT,
+        host_ram_ratio="0x (weights on the GPU)",
+    )
+}
+
+OFF_PRESETS: dict[str, Preset] = {
+    "off": Preset("off", "off", "attach nothing; the caller owns placement", HostMode.CALLER, host_ram_ratio="unchanged")
+}
+
+ROUTES: dict[str, dict[str, Preset]] = {
+    "linear": LINEAR_PRESETS,
+    "resident": RESIDENT_PRESETS,
+    "off": OFF_PRESETS,
+}
+"""Every route this build implements, with its presets (``auto`` is resolved at attach time)."""
+
+
+def is_wsl() -> bool:
+    """True under Windows Subsystem for Linux, where large page-locked regions are limited."""
+    return "microsoft" in platform.release().lower() or "WSL_DISTRO_NAME" in os.environ
+
+
+def resolve(route: str, preset: str, *, streamed_bytes: int = 0, available_ram: int | None = None) -> Preset:
+    """Resolves a route and preset name to a :class:`Preset`.
+
+    ``auto`` picks, for the linear route: ``wsl_compat`` under WSL; ``one_shot_fast`` when the machine's
+    available RAM can page-lock the streamed weights with 25 % to spare; ``low_ram_safe`` otherwise.
+
+    Raises:
+        ConfigError: unknown route or preset; the message lists the valid ones.
+    """
+    if not isinstance(route, str) or route not in ROUTES:
+        raise ConfigError(f"unknown route {route!r}; valid routes: {', '.join(ROUTES)}")
+    presets = ROUTES[route]
+    if preset == "auto":
+        if route != "linear":
+            return next(iter(presets.values()))
+        if is_wsl():
+            return presets["wsl_compat"]
+        if available_ram is not None and streamed_bytes * 1.25 > available_ram:
+            return presets["low_ram_safe"]
+        return presets["one_shot_fast"]
+    if not isinstance(preset, str) or preset not in presets:
+        valid = ["auto", *presets]
+        raise ConfigError(f"unknown preset {preset!r} for route {route!r}; valid presets: {', '.join(valid)}")
+    return presets[preset]
+
+
+def describe() -> str:
+    """The preset table, as printed by ``python -m ddo_blocks presets``."""
+    lines = [f"{'route':<10} {'preset':<15} {'host RAM':<18} what it does", "-" * 100]
+    for route, presets in ROUTES.items():
+        if route == "linear":
+            lines.append(
+                f"{route:<10} {'auto':<15} {'-':<18} wsl_compat under WSL, else one_shot_fast when "
+                "RAM allows pinning, else low_ram_safe"
+            )
+        for p in presets.values():
+            lines.append(f"{route:<10} {p.name:<15} {p.host_ram_ratio:<18} {p.summary}")
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""Reports: a versioned, JSON-serialisable record of what an offload did, measured.
+
+``Report.to_dict()`` is the record (schema ``ddo_blocks.report/1``); ``str(report)`` is a table for
+terminals and ``_repr_html_`` the same table for notebooks. Only measured values and the planner's
+prediction (labelled as such) appear; a value not measured is ``None``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import resource
+import statistics
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+
+from .budget import fmt_bytes
+
+if TYPE_CHECKING:
+    from .api import OffloadHandle
+
+SCHEMA = "ddo_blocks.report/1"
+
+
+class Report:
+    """One component's report. Index it like a dict: ``report["runtime"]["median_call_s"]``."""
+
+    def __init__(self, data: dict[str, Any]):
+        self.data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.data))
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.data, indent=indent)
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(section, field, value) rows with units, in display order."""
+        out: list[tuple[str, str, str]] = []
+        for section in ("plan", "setup", "runtime", "memory", "roofline"):
+            for key, value in self.data.get(section, {}).items():
+                out.append((section, key, _fmt(key, value)))
+        return out
+
+    def __str__(self) -> str:
+        d = self.data
+        head = (f"ddo_blocks report: {d['component']} ({d['module_class']}) route={d['route']} "
+                f"preset={d['preset']} (asked {d['preset_requested']}) device={d['device']}")
+        rows = self.rows()
+        w1 = max((len(s) for s, _, _ in rows), default=7)
+        w2 = max((len(k) for _, k, _ in rows), default=5)
+        lines = [head, "-" * len(head)]
+        last = None
+        for section, key, value in rows:
+            lines.append(f"{section if section != last else '':<{w1}}  {key:<{w2}}  {value}")
+            last = section
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        d = self.data
+        cells = "".join(
+            f"<tr><td>{html.escape(s)}</td><td>{html.escape(k)}</td><td style='text-align:right'>"
+            f"{html.escape(v)}</td></tr>"
+            for s, k, v in self.rows()
+        )
+        title = html.escape(f"{d['component']} · {d['route']} / {d['preset']} · {d['device']}")
+        return (f"<table><caption><b>{title}</b></caption><thead><tr><th>section</th><th>field</th>"
+                f"<th>value</th></tr></thead><tbody>{cells}</tbody></table>")
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if key.endswith("_bytes") or key in ("vram_budget", "gpu_peak_allocated", "gpu_peak_reserved",
+                                         "host_rss", "host_peak_rss"):
+        return fmt_bytes(value)
+    if key.endswith("_s"):
+        return f"{value:.4f} s"
+    if key.endswith("_gb_s"):
+        return f"{value:.2f} GB/s"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def build_report(handle: OffloadHandle) -> Report:
+    from .engine.linear import LinearEngine  # local: avoid an import cycle
+
+    engine = handle.engine
+    dev = handle.device
+    data: dict[str, Any] = {
+        "schema": SCHEMA,
+        "component": handle.component,
+        "module_class": type(handle.module).__name__,
+        "route": handle.route,
+        "preset_requested": handle.requested_preset,
+        "preset": handle.preset.name,
+        "device": str(dev),
+        "active": not handle.removed,
+    }
+    plan: dict[str, Any] = {"vram_budget": handle.vram_budget}
+    setup: dict[str, Any] = {"seconds": getattr(engine, "setup_s", None)}
+    runtime: dict[str, Any] = {}
+    roofline: dict[str, Any] = {}
+    pinned = 0
+    if isinstance(engine, LinearEngine):
+        p = engine.plan
+        slabs = engine.slabs
+        pinned = slabs.pinned_bytes if slabs is not None else 0
+        plan.update(
+            units=len(engine.units),
+            resident_units=len(engine.resident_units),
+            streamed_units=len(engine.streamed),
+            resident_bytes=engine.resident_bytes,
+            streamed_bytes=engine.streamed_bytes,
+            slots=engine.n_slots,
+            slot_bytes=engine.slot_bytes,
+            gpu_bytes=engine.gpu_bytes,
+            host_slab_bytes=slabs.nbytes if slabs is not None else 0,
+            staging_bytes=handle.preset.staging_bytes,
+            predicted_step_s=p["predicted_step_s"],
+        )
+        setup.update(
+            seconds=engine.stats.setup_s,
+            pack_s=engine.stats.pack_s,
+            packed_bytes=slabs.bytes_packed if slabs is not None else 0,
+            pack_gb_s=(slabs.bytes_packed / engine.stats.pack_s / 1e9)
+            if slabs is not None and engine.stats.pack_s > 0 and slabs.bytes_packed
+            else None,
+            warm_reused=bool(slabs.reused_warm) if slabs is not None else False,
+        )
+        calls = engine.call_records()
+        secs = [c.seconds for c in calls]
+        steady = secs[1:] if len(secs) > 1 else secs
+        fetches, total_bytes, host_wait = engine.transport_stats()
+        median = _median(steady)
+        last_bytes = calls[-1].h2d_bytes if calls else None
+        runtime.update(
+            calls=len(calls),
+            first_call_s=secs[0] if secs else None,
+            median_call_s=median,
+            h2d_bytes_per_call=last_bytes,
+            h2d_gb_s=(last_bytes / median / 1e9) if median and last_bytes else None,
+            copies=fetches,
+            h2d_total_bytes=total_bytes,
+            misses=engine.stats.misses,
+            order_changes=engine.stats.order_changes,
+            host_wait_s=host_wait,
+        )
+        link = engine.link_bytes_per_s
+        bound = engine.streamed_bytes / link if link else None
+        roofline.update(
+            link_gb_s=link / 1e9,
+            transfer_bound_s=bound,
+            transfer_efficiency=(bound / median) if bound and median else None,
+        )
+    elif hasattr(engine, "gpu_bytes"):
+        plan.update(gpu_bytes=engine.gpu_bytes)
+    rss = psutil.Process().memory_info().rss
+    memory: dict[str, Any] = {
+        "gpu_peak_allocated": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        "gpu_peak_reserved": torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
+        "host_rss": rss,
+        "host_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "pinned_bytes": pinned,
+    }
+    data.update(plan=plan, setup=setup, runtime=runtime, memory=memory, roofline=roofline)
+    return Report(data)

@@ -1,0 +1,102 @@
+"""Finding a component's *units*: the pieces streamed as one copy each.
+
+A unit is normally one block of a repeated block list (an ``nn.ModuleList`` or ``nn.Sequential``
+child such as ``transformer_blocks``, ``single_transformer_blocks``, ``blocks``, ``layers``,
+``down_blocks``). Everything outside units (embedders, norms, heads) is small and stays resident.
+A component with no repeated blocks is split into its leaf modules that own parameters.
+The order found here is the definition order; the engine confirms the execution order on the first
+call and never relies on this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Unit:
+    """One streamed piece of a component."""
+
+    index: int
+    name: str
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]]
+    """(qualified name in the component, parameter), in ``named_parameters`` order."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.params)
+
+
+def _owns_params(m: nn.Module) -> bool:
+    return next(m.parameters(), None) is not None
+
+
+def _is_block_list(m: nn.Module) -> bool:
+    return isinstance(m, (nn.ModuleList, nn.Sequential)) and sum(_owns_params(c) for c in m.children()) >= 2
+
+
+def find_unit_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of every repeated block list, outermost lists only, in definition order; else the
+    leaf modules that own parameters."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for name, child in m.named_children():
+            qual = f"{prefix}{name}"
+            if _is_block_list(child):
+                for i, block in child.named_children():
+                    if _owns_params(block):
+                        found.append((f"{qual}.{i}", block))
+            else:
+                visit(child, qual + ".")
+
+    visit(module, "")
+    if found:
+        return found
+    leaves = [
+        (name, m)
+        for name, m in module.named_modules()
+        if next(m.parameters(recurse=False), None) is not None and not any(True for _ in m.children())
+    ]
+    return leaves or ([("", module)] if _owns_params(module) else [])
+
+
+def split_units(module: nn.Module) -> tuple[list[Unit], list[tuple[str, nn.Parameter]]]:
+    """Splits a component's parameters into units and always-resident leftovers.
+
+    A parameter shared by two units, or by a unit and the rest of the model (tied weights), is
+    kept resident, so that no slot ever holds a tensor another unit also needs.
+    """
+    unit_modules = find_unit_modules(module)
+    owner_count: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        owner_count[id(p)] = owner_count.get(id(p), 0) + 1
+    in_units: dict[int, int] = {}
+    for _, m in unit_modules:
+        for p in m.parameters():
+            in_units[id(p)] = in_units.get(id(p), 0) + 1
+
+    def streamable(p: nn.Parameter) -> bool:
+        return in_units.get(id(p), 0) == 1 and owner_count[id(p)] == 1 and p.numel() > 0
+
+    prefix_of = {id(m): name for name, m in module.named_modules()}
+    units: list[Unit] = []
+    taken: set[int] = set()
+    for name, m in unit_modules:
+        base = prefix_of.get(id(m), name)
+        params = [
+            (f"{base}.{pn}" if base else pn, p) for pn, p in m.named_parameters() if streamable(p)
+        ]
+        if params:
+            units.append(Unit(len(units), name, m, params))
+            taken.update(id(p) for _, p in params)
+    leftovers = [(n, p) for n, p in module.named_parameters() if id(p) not in taken]
+    return units, leftovers
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,40 @@
+//! Pure logic for the `ddo-blocks` GPU weight-offload manager.
+//!
+//! `ddo-core` knows neither Python nor CUDA. It provides:
+//!
+//! - [`index`]: a validated index of safetensors files over a read-only
+//!   memory map, and sharded-checkpoint index parsing;
+//! - [`layout`]: byte layout of streamed units (256-byte aligned tensors)
+//!   and their packing into device slabs;
+//! - [`planner`] and [`mod@simulate`]: deciding which units stay resident and
+//!   how many slots stream the rest under a VRAM budget, scored by a
+//!   discrete-event model of a copy stream and a compute stream;
+//! - [`metrics`]: lock-free transfer counters.
+//!
+//! Every fallible function returns [`Result`] with a [`CoreError`] whose
+//! message names the file, tensor or number at fault; nothing panics on bad
+//! input. The only `unsafe` is the read-only memory map in
+//! [`SafetensorsIndex::open`].
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod dtype;
+pub mod error;
+pub mod index;
+pub mod layout;
+pub mod metrics;
+pub mod planner;
+pub mod simulate;
+pub mod units;
+
+pub use dtype::{dtype_bits, dtype_size, KNOWN_DTYPES};
+pub use error::{CoreError, Result};
+pub use index::{parse_header, read_shard_index, Header, SafetensorsIndex, TensorInfo};
+pub use layout::{
+    align_up, layout_slabs, layout_unit, SlabLayout, UnitLayout, UnitPlacement, ALIGN,
+};
+pub use metrics::{Counters, CountersSnapshot};
+pub use planner::{minimum_budget, plan, MinimumBudget, Plan, PlanRequest};
+pub use simulate::{simulate, SimResult};
+pub use units::fmt_bytes;

@@ -1,0 +1,123 @@
+//! Loading the driver, the primary context, and the result-code check.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::sys;
+
+use crate::error::{CudaError, Result};
+
+/// A `CUstream` handle owned by someone else (normally PyTorch: `torch.cuda.Stream.cuda_stream`).
+/// Zero is the legacy default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    pub(crate) fn raw(self) -> sys::CUstream {
+        self.0 as usize as sys::CUstream
+    }
+}
+
+static INIT: OnceLock<std::result::Result<(), CudaError>> = OnceLock::new();
+static PRIMARY: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
+
+/// Loads the driver library and calls `cuInit` once per process. Cheap after the first call.
+pub fn init() -> Result<()> {
+    INIT.get_or_init(load_and_init).clone()
+}
+
+fn load_and_init() -> Result<()> {
+    // SAFETY: probing only tries to open the library by its usual names; nothing is called.
+    let present = unsafe { sys::is_culib_present() };
+    if !present {
+        return Err(CudaError::NotAvailable(
+            "no CUDA driver library (libcuda.so) was found; install the NVIDIA driver or use device=\"cpu\""
+                .into(),
+        ));
+    }
+    // cudarc panics when a symbol is missing from an old driver: turn that into an error.
+    // SAFETY: cuInit(0) has no preconditions; it is idempotent.
+    let code = std::panic::catch_unwind(|| unsafe { sys::cuInit(0) }).map_err(|_| {
+        CudaError::NotAvailable("the CUDA driver library lacks cuInit; the driver is too old or broken".into())
+    })?;
+    check(code, "cuInit", "initialising the driver").map_err(|e| CudaError::NotAvailable(e.to_string()))
+}
+
+/// Why CUDA cannot be used here, or `None` when it can.
+pub fn unavailable_reason() -> Option<String> {
+    init().err().map(|e| e.to_string())
+}
+
+/// Number of CUDA devices.
+pub fn device_count() -> Result<usize> {
+    init()?;
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `n` is a valid out-pointer for the duration of the call.
+    check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount", "counting devices")?;
+    Ok(n.max(0) as usize)
+}
+
+/// The driver's CUDA version as an integer such as 12080.
+pub fn driver_version() -> Result<i32> {
+    init()?;
+    let mut v: std::ffi::c_int = 0;
+    // SAFETY: `v` is a valid out-pointer for the duration of the call.
+    check(unsafe { sys::cuDriverGetVersion(&mut v) }, "cuDriverGetVersion", "reading the driver version")?;
+    Ok(v)
+}
+
+/// Makes the primary context of device `ordinal` current on the calling thread (retaining it once
+/// per process, never creating a context of our own).
+pub fn make_current(ordinal: usize) -> Result<()> {
+    init()?;
+    let ctx = primary_context(ordinal)?;
+    // SAFETY: `ctx` is a retained primary context that is never released while the process runs.
+    check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) }, "cuCtxSetCurrent", "binding the primary context")
+}
+
+fn primary_context(ordinal: usize) -> Result<usize> {
+    let map = PRIMARY.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = map.lock().map_err(|_| CudaError::InvalidArgument("context table poisoned".into()))?;
+    if let Some(&ctx) = map.get(&ordinal) {
+        return Ok(ctx);
+    }
+    let count = {
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: valid out-pointer.
+        check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount", "counting devices")?;
+        n.max(0) as usize
+    };
+    if ordinal >= count {
+        return Err(CudaError::InvalidArgument(format!(
+            "CUDA device {ordinal} does not exist; this machine has {count} device(s)"
+        )));
+    }
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: valid out-pointer; ordinal checked above.
+    check(unsafe { sys::cuDeviceGet(&mut dev, ordinal as std::ffi::c_int) }, "cuDeviceGet", "opening the device")?;
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; retaining the primary context is reference counted and shares
+    // the context PyTorch's runtime uses.
+    check(
+        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
+        "cuDevicePrimaryCtxRetain",
+        "retaining the primary context",
+    )?;
+    map.insert(ordinal, ctx as usize);
+    Ok(ctx as usize)
+}
+
+/// Turns a driver result code into a [`CudaError`], naming the call and what it was doing.
+pub(crate) fn check(code: sys::CUresult, call: &'static str, context: &str) -> Result<()> {
+    if code == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        return Err(CudaError::OutOfMemory(format!("{call} while {context}")));
+    }
+    Err(CudaError::Driver {
+        call,
+        code: format!("{code:?}"),
+        context: context.to_string(),
+    })
+}

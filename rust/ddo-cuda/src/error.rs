@@ -1,0 +1,27 @@
+use thiserror::Error;
+
+/// Errors of the CUDA layer. Cloneable so a failed driver load can be cached and reported again.
+#[derive(Debug, Clone, Error)]
+pub enum CudaError {
+    /// No usable CUDA driver: the library is missing, lacks a symbol, or `cuInit` failed.
+    #[error("CUDA is not available: {0}")]
+    NotAvailable(String),
+    /// A driver call returned an error code.
+    #[error("CUDA driver call {call} failed with {code} ({context})")]
+    Driver {
+        call: &'static str,
+        code: String,
+        context: String,
+    },
+    /// Out of page-locked or device memory while setting up.
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+    /// A caller passed an argument the layer cannot use.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The background staging thread stopped.
+    #[error("staging thread failed: {0}")]
+    Staging(String),
+}
+
+pub type Result<T> = std::result::Result<T, CudaError>;

@@ -1,0 +1,66 @@
+//! CUDA events: the only ordering primitive between the copy stream and the compute stream.
+
+use cudarc::driver::sys;
+
+use crate::driver::{check, init, Stream};
+use crate::error::Result;
+
+/// An event created with `CU_EVENT_DISABLE_TIMING` (the cheapest kind) in the current context.
+#[derive(Debug)]
+pub struct Event(sys::CUevent);
+
+// SAFETY: a CUevent is a driver handle; the driver API is thread-safe and the handle may be used
+// from any thread whose current context is the one it was created in (always the primary one here).
+unsafe impl Send for Event {}
+// SAFETY: see above; recording and waiting are synchronised by the driver.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Creates an event in the calling thread's current context.
+    pub fn new() -> Result<Self> {
+        init()?;
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint;
+        // SAFETY: valid out-pointer; a context is current (callers run make_current first).
+        check(unsafe { sys::cuEventCreate(&mut ev, flags) }, "cuEventCreate", "creating an event")?;
+        Ok(Self(ev))
+    }
+
+    /// Records the event on `stream`: it completes when the work queued so far on it completes.
+    pub fn record(&self, stream: Stream) -> Result<()> {
+        // SAFETY: the event is live; the stream handle comes from PyTorch or is the default stream.
+        check(unsafe { sys::cuEventRecord(self.0, stream.raw()) }, "cuEventRecord", "recording an event")
+    }
+
+    /// Makes `stream` wait (on the GPU, the host does not block) for the last record of this event.
+    pub fn wait_on(&self, stream: Stream) -> Result<()> {
+        // SAFETY: as for `record`.
+        check(unsafe { sys::cuStreamWaitEvent(stream.raw(), self.0, 0) }, "cuStreamWaitEvent", "ordering streams")
+    }
+
+    /// Whether the last record has completed (an event never recorded counts as complete).
+    pub fn query(&self) -> Result<bool> {
+        // SAFETY: the event is live.
+        let code = unsafe { sys::cuEventQuery(self.0) };
+        if code == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check(code, "cuEventQuery", "querying an event").map(|_| true)
+    }
+
+    /// Blocks the calling host thread until the last record has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: the event is live.
+        check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize", "waiting for an event")
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: the event is live and dropped once; errors here cannot be returned and are logged.
+        let code = unsafe { sys::cuEventDestroy_v2(self.0) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!("cuEventDestroy failed: {code:?}");
+        }
+    }
+}

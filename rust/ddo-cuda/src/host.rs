@@ -1,0 +1,156 @@
+//! Host memory: page-locking existing memory, owned staging buffers, parallel host copies.
+
+use cudarc::driver::sys;
+use rayon::prelude::*;
+
+use crate::driver::{check, init};
+use crate::error::{CudaError, Result};
+
+/// Below this size a host copy runs on one thread; above it, in chunks of this size on rayon.
+const PAR_CHUNK: usize = 8 << 20;
+
+/// Page-locks `len` bytes at `ptr` (`cuMemHostRegister`, portable to every context) until dropped.
+///
+/// The memory stays owned by the caller, who must keep it allocated until this value is dropped;
+/// the Python binding holds a reference to the owning tensor inside the registration to enforce it.
+#[derive(Debug)]
+pub struct HostRegistration {
+    ptr: usize,
+    len: usize,
+}
+
+impl HostRegistration {
+    /// Registers the range. Registering is about 6x faster than `cuMemHostAlloc` of the same size.
+    pub fn register(ptr: usize, len: usize) -> Result<Self> {
+        init()?;
+        if ptr == 0 || len == 0 {
+            return Err(CudaError::InvalidArgument(format!(
+                "cannot page-lock {len} bytes at address {ptr:#x}"
+            )));
+        }
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: the caller guarantees [ptr, ptr+len) is allocated host memory that outlives `Self`.
+        let code = unsafe { sys::cuMemHostRegister_v2(ptr as *mut std::ffi::c_void, len, flags) };
+        check(code, "cuMemHostRegister", &format!("page-locking {len} bytes of host memory"))?;
+        Ok(Self { ptr, len })
+    }
+
+    pub fn ptr(&self) -> usize {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        // SAFETY: the range was registered by `register` and is unregistered exactly once here.
+        let code = unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!("cuMemHostUnregister of {} bytes failed: {code:?}", self.len);
+        }
+    }
+}
+
+/// An owned, page-aligned host buffer (anonymous mapping), page-locked when `pinned`.
+/// Used for the bounded staging ring; weights themselves live in memory owned by Python.
+#[derive(Debug)]
+pub struct HostBuffer {
+    // Field order matters: the registration is dropped (unregistered) before the mapping is unmapped.
+    registration: Option<HostRegistration>,
+    map: memmap2::MmapMut,
+}
+
+impl HostBuffer {
+    pub fn new(len: usize, pinned: bool) -> Result<Self> {
+        let map = memmap2::MmapMut::map_anon(len.max(1))
+            .map_err(|e| CudaError::OutOfMemory(format!("mapping a {len}-byte host buffer: {e}")))?;
+        let registration = if pinned {
+            Some(HostRegistration::register(map.as_ptr() as usize, map.len())?)
+        } else {
+            None
+        };
+        Ok(Self { registration, map })
+    }
+
+    pub fn ptr(&self) -> usize {
+        self.map.as_ptr() as usize
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub fn is_pinned(&self) -> bool {
+        self.registration.is_some()
+    }
+}
+
+/// Copies `n` bytes from host address `src` to host address `dst`, in parallel chunks on the
+/// current rayon pool when large. The ranges must be live and must not overlap.
+pub fn copy_host(dst: usize, src: usize, n: usize) {
+    if n == 0 {
+        return;
+    }
+    if n <= PAR_CHUNK {
+        // SAFETY: the caller guarantees both ranges are live, `n` bytes long and disjoint.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, n) };
+        return;
+    }
+    let chunks = n.div_ceil(PAR_CHUNK);
+    (0..chunks).into_par_iter().for_each(|i| {
+        let off = i * PAR_CHUNK;
+        let len = PAR_CHUNK.min(n - off);
+        // SAFETY: each chunk is a disjoint sub-range of the caller's live, disjoint ranges.
+        unsafe { std::ptr::copy_nonoverlapping((src + off) as *const u8, (dst + off) as *mut u8, len) };
+    });
+}
+
+/// Runs many `(dst, src, n)` host copies in parallel (one rayon task per copy, large copies split).
+pub fn copy_host_many(jobs: &[(usize, usize, usize)]) {
+    jobs.par_iter().for_each(|&(dst, src, n)| copy_host(dst, src, n));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_small_and_large_ranges_exactly() {
+        for n in [0usize, 1, 255, PAR_CHUNK, PAR_CHUNK * 3 + 17] {
+            let src: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
+            let mut dst = vec![0u8; n];
+            copy_host(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n);
+            assert_eq!(src, dst, "size {n}");
+        }
+    }
+
+    #[test]
+    fn copy_many_runs_every_job() {
+        let a: Vec<u8> = vec![7; 1000];
+        let b: Vec<u8> = vec![9; 3000];
+        let mut out = vec![0u8; 4000];
+        let base = out.as_mut_ptr() as usize;
+        copy_host_many(&[(base, a.as_ptr() as usize, 1000), (base + 1000, b.as_ptr() as usize, 3000)]);
+        assert!(out[..1000].iter().all(|&x| x == 7));
+        assert!(out[1000..].iter().all(|&x| x == 9));
+    }
+
+    #[test]
+    fn unpinned_buffer_is_page_aligned_and_writable() {
+        let buf = HostBuffer::new(10_000, false).unwrap();
+        assert_eq!(buf.ptr() % 4096, 0);
+        assert!(!buf.is_pinned());
+        copy_host(buf.ptr(), [1u8; 16].as_ptr() as usize, 16);
+    }
+}

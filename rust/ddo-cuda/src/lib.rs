@@ -1,0 +1,23 @@
+//! Every CUDA driver call and every `unsafe` block of ddo-blocks.
+//!
+//! The driver (`libcuda`) is loaded at run time through cudarc's dynamic loading, so this crate
+//! builds and its CPU paths run on machines without CUDA; GPU functions then return
+//! [`CudaError::NotAvailable`]. Contexts are never created here: the device's *primary* context is
+//! retained, which is the one PyTorch's runtime uses, so streams and pointers from PyTorch are valid.
+//!
+//! Memory contract: functions that take addresses (`usize`) and byte counts copy between memory
+//! owned by the caller (tensors the Python engine keeps alive for as long as a copy may be in
+//! flight, see [`Transport::drain`]). This crate never frees memory it did not allocate.
+
+mod driver;
+mod error;
+mod event;
+mod host;
+mod stager;
+mod transport;
+
+pub use driver::{device_count, driver_version, init, make_current, unavailable_reason, Stream};
+pub use error::{CudaError, Result};
+pub use event::Event;
+pub use host::{copy_host, copy_host_many, HostBuffer, HostRegistration};
+pub use transport::{Staging, Target, Transport, TransportStats};

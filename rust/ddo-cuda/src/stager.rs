@@ -1,0 +1,197 @@
+//! The staging ring: a background thread that moves pageable host bytes through a bounded ring of
+//! small page-locked buffers into GPU slots (or, on the CPU target, through ordinary buffers into
+//! host slots). Used by presets that do not page-lock the weights themselves.
+//!
+//! Ordering: for each job the thread makes the copy stream wait for the slot's "consumed" event,
+//! then for each chunk waits (host side) until the buffer's previous upload finished, fills it on a
+//! dedicated rayon pool, queues the upload and records the buffer's event; at the end it records
+//! the slot's "arrived" event. The compute stream never waits on the host.
+
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use crate::driver::make_current;
+use crate::error::{CudaError, Result};
+use crate::event::Event;
+use crate::host::{copy_host, HostBuffer};
+use crate::transport::{h2d_async, SlotEvents, Staging, Target};
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Job {
+    pub slot: usize,
+    pub dst: usize,
+    pub src: usize,
+    pub n: usize,
+}
+
+#[derive(Default)]
+struct State {
+    done: u64,
+    error: Option<CudaError>,
+}
+
+#[derive(Default)]
+struct Shared {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+pub(crate) struct Stager {
+    tx: Option<mpsc::Sender<Job>>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    submitted: u64,
+}
+
+struct Ring {
+    buffers: Vec<HostBuffer>,
+    /// One event per buffer on the CUDA target: its last upload.
+    uploaded: Vec<Event>,
+    next: usize,
+}
+
+impl Stager {
+    /// Allocates the ring on the calling thread (whose current context is the target's) and starts
+    /// the worker thread.
+    pub fn start(target: Target, events: Option<Arc<SlotEvents>>, staging: Staging) -> Result<Self> {
+        if staging.buffers == 0 || staging.buffer_bytes == 0 {
+            return Err(CudaError::InvalidArgument(format!(
+                "a staging ring needs at least one buffer of at least one byte, got {} x {} bytes",
+                staging.buffers, staging.buffer_bytes
+            )));
+        }
+        let cuda = matches!(target, Target::Cuda { .. });
+        let mut buffers = Vec::with_capacity(staging.buffers);
+        let mut uploaded = Vec::new();
+        for _ in 0..staging.buffers {
+            buffers.push(HostBuffer::new(staging.buffer_bytes, cuda && staging.pinned)?);
+            if cuda {
+                uploaded.push(Event::new()?);
+            }
+        }
+        let ring = Ring { buffers, uploaded, next: 0 };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(staging.threads.max(1))
+            .thread_name(|i| format!("ddo-stage-{i}"))
+            .build()
+            .map_err(|e| CudaError::Staging(format!("cannot start copy threads: {e}")))?;
+        let (tx, rx) = mpsc::channel::<Job>();
+        let shared = Arc::new(Shared::default());
+        let worker_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("ddo-stager".into())
+            .spawn(move || worker(target, events, ring, pool, rx, worker_shared))
+            .map_err(|e| CudaError::Staging(format!("cannot start the staging thread: {e}")))?;
+        Ok(Self { tx: Some(tx), shared, thread: Some(thread), submitted: 0 })
+    }
+
+    /// Queues a job and returns its sequence number (1, 2, ...).
+    pub fn submit(&mut self, job: Job) -> Result<u64> {
+        let tx = self.tx.as_ref().ok_or_else(|| CudaError::Staging("stager is shut down".into()))?;
+        tx.send(job).map_err(|_| CudaError::Staging("the staging thread has exited".into()))?;
+        self.submitted += 1;
+        Ok(self.submitted)
+    }
+
+    /// Blocks until job `seq` has been fully queued on the copy stream (CUDA) or copied (CPU).
+    /// Returns the first error the worker met, if any.
+    pub fn wait(&self, seq: u64) -> Result<()> {
+        let mut state = self.shared.state.lock().map_err(|_| CudaError::Staging("state poisoned".into()))?;
+        while state.done < seq && state.error.is_none() {
+            state = self.shared.cv.wait(state).map_err(|_| CudaError::Staging("state poisoned".into()))?;
+        }
+        match &state.error {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Blocks until every submitted job is done.
+    pub fn wait_all(&self) -> Result<()> {
+        self.wait(self.submitted)
+    }
+}
+
+impl Drop for Stager {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::warn!("the staging thread panicked");
+            }
+        }
+    }
+}
+
+fn worker(
+    target: Target,
+    events: Option<Arc<SlotEvents>>,
+    mut ring: Ring,
+    pool: rayon::ThreadPool,
+    rx: mpsc::Receiver<Job>,
+    shared: Arc<Shared>,
+) {
+    let setup = match target {
+        Target::Cuda { ordinal, .. } => make_current(ordinal),
+        Target::Cpu => Ok(()),
+    };
+    let mut failed = setup.err();
+    let mut done = 0u64;
+    for job in rx {
+        if failed.is_none() {
+            if let Err(e) = run_job(target, events.as_deref(), &mut ring, &pool, job) {
+                failed = Some(e);
+            }
+        }
+        done += 1;
+        let mut state = match shared.state.lock() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
+        };
+        state.done = done;
+        if state.error.is_none() {
+            state.error = failed.clone();
+        }
+        shared.cv.notify_all();
+    }
+    // Uploads from the ring may still be in flight: finish them before the buffers are unmapped.
+    for ev in &ring.uploaded {
+        if let Err(e) = ev.synchronize() {
+            tracing::warn!("waiting for staging uploads at shutdown: {e}");
+        }
+    }
+}
+
+fn run_job(target: Target, events: Option<&SlotEvents>, ring: &mut Ring, pool: &rayon::ThreadPool, job: Job) -> Result<()> {
+    let stream = match target {
+        Target::Cuda { copy_stream, .. } => Some(copy_stream),
+        Target::Cpu => None,
+    };
+    if let (Some(s), Some(ev)) = (stream, events) {
+        ev.consumed[job.slot].wait_on(s)?;
+    }
+    let mut off = 0usize;
+    while off < job.n {
+        let b = ring.next;
+        ring.next = (ring.next + 1) % ring.buffers.len();
+        let buf = &ring.buffers[b];
+        let len = buf.len().min(job.n - off);
+        if let Some(ev) = ring.uploaded.get(b) {
+            ev.synchronize()?;
+        }
+        pool.install(|| copy_host(buf.ptr(), job.src + off, len));
+        match stream {
+            Some(s) => {
+                h2d_async(job.dst + off, buf.ptr(), len, s)?;
+                ring.uploaded[b].record(s)?;
+            }
+            None => copy_host(job.dst + off, buf.ptr(), len),
+        }
+        off += len;
+    }
+    if let (Some(s), Some(ev)) = (stream, events) {
+        ev.arrived[job.slot].record(s)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,73 @@
+//! The safetensors index.
+
+use std::collections::{BTreeMap, HashMap};
+
+use pyo3::prelude::*;
+
+use crate::errors::{core_err, CheckpointError};
+
+/// A validated safetensors file, memory-mapped read-only.
+#[pyclass(module = "ddo_blocks._native", frozen)]
+struct SafetensorsIndex {
+    inner: ddo_core::SafetensorsIndex,
+}
+
+#[pymethods]
+impl SafetensorsIndex {
+    /// Opens and validates `path`; a truncated or corrupt file raises `CheckpointError`.
+    #[new]
+    fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+        let inner = py.detach(|| ddo_core::SafetensorsIndex::open(&path)).map_err(core_err)?;
+        Ok(Self { inner })
+    }
+
+    /// `[(name, dtype, shape, offset, nbytes)]` sorted by offset.
+    fn tensors(&self) -> Vec<(String, String, Vec<usize>, u64, u64)> {
+        self.inner
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.dtype.clone(), t.shape.clone(), t.offset, t.nbytes))
+            .collect()
+    }
+
+    fn metadata(&self) -> Option<HashMap<String, String>> {
+        self.inner.metadata().cloned()
+    }
+
+    #[getter]
+    fn path(&self) -> std::path::PathBuf {
+        self.inner.path().to_path_buf()
+    }
+
+    #[getter]
+    fn file_len(&self) -> u64 {
+        self.inner.file_len()
+    }
+
+    /// Raises `CheckpointError` if the file was replaced or truncated since it was opened.
+    fn check_unchanged(&self) -> PyResult<()> {
+        self.inner.check_unchanged().map_err(core_err)
+    }
+
+    /// Copies tensor `name`'s bytes to host address `dst` (which must hold them), GIL released.
+    fn read_into(&self, py: Python<'_>, name: &str, dst: usize) -> PyResult<u64> {
+        let data = self.inner.data(name).ok_or_else(|| {
+            CheckpointError::new_err(format!("tensor {name:?} is not in {}", self.inner.path().display()))
+        })?;
+        let (src, n) = (data.as_ptr() as usize, data.len());
+        py.detach(|| ddo_cuda::copy_host(dst, src, n));
+        Ok(n as u64)
+    }
+}
+
+/// Reads a `*.safetensors.index.json`: `{tensor name: shard file name}`.
+#[pyfunction]
+fn read_shard_index(py: Python<'_>, path: std::path::PathBuf) -> PyResult<BTreeMap<String, String>> {
+    py.detach(|| ddo_core::read_shard_index(&path)).map_err(core_err)
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SafetensorsIndex>()?;
+    m.add_function(wrap_pyfunction!(read_shard_index, m)?)?;
+    Ok(())
+}

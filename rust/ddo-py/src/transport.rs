@@ -1,0 +1,156 @@
+//! Page-locking, host copies and the slot transport.
+
+use ddo_cuda::{Stream, Target};
+use pyo3::prelude::*;
+
+use crate::errors::{cuda_err, ConfigError};
+
+/// Why CUDA cannot be used in this process, or None when it can.
+#[pyfunction]
+fn cuda_unavailable_reason() -> Option<String> {
+    ddo_cuda::unavailable_reason()
+}
+
+/// Number of CUDA devices the driver sees.
+#[pyfunction]
+fn cuda_device_count() -> PyResult<usize> {
+    ddo_cuda::device_count().map_err(cuda_err)
+}
+
+/// The driver's CUDA version, e.g. 12080.
+#[pyfunction]
+fn cuda_driver_version() -> PyResult<i32> {
+    ddo_cuda::driver_version().map_err(cuda_err)
+}
+
+/// Many host copies `(dst, src, nbytes)` in parallel, with the GIL released.
+#[pyfunction]
+fn copy_host_many(py: Python<'_>, jobs: Vec<(usize, usize, usize)>) {
+    py.detach(|| ddo_cuda::copy_host_many(&jobs));
+}
+
+/// A page-locked range of host memory owned by a Python object (a tensor), which this object keeps
+/// alive until the range is unregistered.
+#[pyclass(module = "ddo_blocks._native")]
+struct HostRegistration {
+    inner: Option<ddo_cuda::HostRegistration>,
+    owner: Option<Py<PyAny>>,
+    nbytes: usize,
+}
+
+#[pymethods]
+impl HostRegistration {
+    #[new]
+    fn new(py: Python<'_>, owner: Py<PyAny>, ptr: usize, nbytes: usize, device: usize) -> PyResult<Self> {
+        let inner = py
+            .detach(|| {
+                ddo_cuda::make_current(device)?;
+                ddo_cuda::HostRegistration::register(ptr, nbytes)
+            })
+            .map_err(cuda_err)?;
+        Ok(Self { inner: Some(inner), owner: Some(owner), nbytes })
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.nbytes
+    }
+
+    #[getter]
+    fn registered(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// Unregisters the range (idempotent) and drops the reference to the owner.
+    fn close(&mut self, py: Python<'_>) {
+        let inner = self.inner.take();
+        py.detach(move || drop(inner));
+        self.owner = None;
+    }
+}
+
+/// The slots of one offloaded component and the ordered copies that fill them.
+#[pyclass(module = "ddo_blocks._native")]
+struct Transport {
+    inner: Option<ddo_cuda::Transport>,
+}
+
+impl Transport {
+    fn get(&mut self) -> PyResult<&mut ddo_cuda::Transport> {
+        self.inner.as_mut().ok_or_else(|| ConfigError::new_err("the transport was closed"))
+    }
+}
+
+#[pymethods]
+impl Transport {
+    /// `device` is "cpu" or "cuda"; `staging` is `(buffers, buffer_bytes, threads, pinned)` or None.
+    #[new]
+    #[pyo3(signature = (device, ordinal, slots, copy_stream=0, staging=None))]
+    fn new(
+        py: Python<'_>,
+        device: &str,
+        ordinal: usize,
+        slots: usize,
+        copy_stream: u64,
+        staging: Option<(usize, usize, usize, bool)>,
+    ) -> PyResult<Self> {
+        let target = match device {
+            "cpu" => Target::Cpu,
+            "cuda" => Target::Cuda { ordinal, copy_stream: Stream(copy_stream) },
+            other => return Err(ConfigError::new_err(format!("unknown transport device {other:?}; use \"cpu\" or \"cuda\""))),
+        };
+        let staging = staging.map(|(buffers, buffer_bytes, threads, pinned)| ddo_cuda::Staging {
+            buffers,
+            buffer_bytes,
+            threads,
+            pinned,
+        });
+        let inner = py.detach(|| ddo_cuda::Transport::new(target, slots, staging)).map_err(cuda_err)?;
+        Ok(Self { inner: Some(inner) })
+    }
+
+    fn fetch(&mut self, py: Python<'_>, slot: usize, dst: usize, src: usize, nbytes: usize) -> PyResult<()> {
+        let t = self.get()?;
+        py.detach(|| t.fetch(slot, dst, src, nbytes)).map_err(cuda_err)
+    }
+
+    fn acquire(&mut self, py: Python<'_>, slot: usize, compute_stream: u64) -> PyResult<()> {
+        let t = self.get()?;
+        py.detach(|| t.acquire(slot, Stream(compute_stream))).map_err(cuda_err)
+    }
+
+    fn release(&mut self, slot: usize, compute_stream: u64) -> PyResult<()> {
+        self.get()?.release(slot, Stream(compute_stream)).map_err(cuda_err)
+    }
+
+    fn drain(&mut self, py: Python<'_>) -> PyResult<()> {
+        let t = self.get()?;
+        py.detach(|| t.drain()).map_err(cuda_err)
+    }
+
+    /// `{"fetches", "bytes", "host_wait_s"}` so far.
+    fn stats(&mut self) -> PyResult<(u64, u64, f64)> {
+        let s = self.get()?.stats();
+        Ok((s.fetches, s.bytes, s.host_wait_ns as f64 * 1e-9))
+    }
+
+    /// Drains outstanding copies and frees events and the staging ring (idempotent).
+    fn close(&mut self, py: Python<'_>) -> PyResult<()> {
+        if let Some(mut t) = self.inner.take() {
+            let drained = py.detach(|| t.drain());
+            py.detach(move || drop(t));
+            drained.map_err(cuda_err)?;
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cuda_unavailable_reason, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_driver_version, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_host_many, m)?)?;
+    m.add_class::<HostRegistration>()?;
+    m.add_class::<Transport>()?;
+    Ok(())
+}
