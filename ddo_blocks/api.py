@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -118,6 +118,7 @@ def offload(
     vram_budget: int | str | None = None,
     device: str | torch.device = "cuda",
     component: str | None = None,
+    **options: Any,
 ) -> OffloadHandle:
     """Offloads a module's weights so it runs within a VRAM budget.
 
@@ -131,6 +132,8 @@ def offload(
             (activations come on top). ``None``: no limit (everything resident).
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (the same engine, slots in host memory).
         component: a name for reports, e.g. ``"transformer"``.
+        **options: the route's own options (e.g. ``offload_type`` for the diffusers route); a route
+            rejects options it does not know.
 
     Returns:
         An :class:`OffloadHandle`.
@@ -157,24 +160,51 @@ def offload(
         raise ConfigError(
             f"{type(module).__name__} has no parameters: there is nothing to offload; use route='off'"
         )
-    engine: Any
-    if route == "linear":
-        units, _ = split_units(module)
-        streamed_guess = sum(tensor_nbytes(p) for u in units for _, p in u.params)
-        chosen = resolve(route, preset, streamed_bytes=streamed_guess,
-                         available_ram=psutil.virtual_memory().available)
-        engine = OffEngine(module, dev) if chosen.host is HostMode.CALLER else LinearEngine(module, chosen, budget, dev)
-    elif route == "resident":
-        chosen = resolve(route, preset)
-        engine = ResidentEngine(module, dev)
-    else:
-        chosen = resolve(route, preset)
-        engine = OffEngine(module, dev)
+    chosen, engine = _ENGINES[route](module, preset, budget, dev, dict(options))
     engine.attach()
     handle = OffloadHandle(module, engine, route=route, preset=chosen, requested=preset, component=component,
                            vram_budget=budget, device=dev)
     setattr(module, _ATTR, handle)
     return handle
+
+
+EngineFactory = Callable[[nn.Module, str, "int | None", torch.device, dict], "tuple[Preset, Any]"]
+
+
+def _no_options(route: str, options: dict) -> None:
+    if options:
+        raise ConfigError(
+            f"route {route!r} takes no options, got {', '.join(sorted(options))}; "
+            "pass route, preset, vram_budget and device only"
+        )
+
+
+def _linear(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
+    _no_options("linear", options)
+    units, _ = split_units(module)
+    streamed_guess = sum(tensor_nbytes(p) for u in units for _, p in u.params)
+    chosen = resolve("linear", preset, streamed_bytes=streamed_guess, available_ram=psutil.virtual_memory().available)
+    if chosen.host is HostMode.CALLER:
+        return chosen, OffEngine(module, dev)
+    return chosen, LinearEngine(module, chosen, budget, dev)
+
+
+def _resident(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
+    _no_options("resident", options)
+    return resolve("resident", preset), ResidentEngine(module, dev)
+
+
+def _off(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
+    _no_options("off", options)
+    return resolve("off", preset), OffEngine(module, dev)
+
+
+_ENGINES: dict[str, EngineFactory] = {"linear": _linear, "resident": _resident, "off": _off}
+
+
+def register_route(name: str, factory: EngineFactory) -> None:
+    """Registers a route's engine factory (its presets go in ``presets.ROUTES``)."""
+    _ENGINES[name] = factory
 
 
 def get_handle(module: nn.Module) -> OffloadHandle | None:

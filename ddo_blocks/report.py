@@ -83,10 +83,10 @@ def _fmt(key: str, value: Any) -> str:
     if key.endswith("_bytes") or key in ("vram_budget", "gpu_peak_allocated", "gpu_peak_reserved",
                                          "host_rss", "host_peak_rss"):
         return fmt_bytes(value)
-    if key.endswith("_s"):
-        return f"{value:.4f} s"
     if key.endswith("_gb_s"):
         return f"{value:.2f} GB/s"
+    if key.endswith("_s") or key == "seconds":
+        return f"{value:.4f} s"
     if isinstance(value, float):
         return f"{value:.3f}"
     return str(value)
@@ -152,7 +152,7 @@ def build_report(handle: OffloadHandle) -> Report:
             calls=len(calls),
             first_call_s=secs[0] if secs else None,
             median_call_s=median,
-            h2d_bytes_per_call=last_bytes,
+            h2d_call_bytes=last_bytes,
             h2d_gb_s=(last_bytes / median / 1e9) if median and last_bytes else None,
             copies=fetches,
             h2d_total_bytes=total_bytes,

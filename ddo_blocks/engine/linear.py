@@ -113,6 +113,7 @@ class LinearEngine:
         self._call_bytes0 = 0
         self._call_misses0 = 0
         self._pending_cuda_calls: list[tuple[Any, Any, int, int]] = []
+        self._final_transport_stats: tuple[int, int, float] = (0, 0, 0.0)
         self._copy_stream, self._compute_stream = _streams_for(device)
 
     # ---------------------------------------------------------------------------------------------
@@ -242,6 +243,7 @@ class LinearEngine:
         self._wrapped.clear()
         if self.transport is not None:
             try:
+                self._final_transport_stats = self.transport.stats()
                 self.transport.close()  # drains in-flight copies before slots and slabs go
             finally:
                 self.transport = None
@@ -394,5 +396,5 @@ class LinearEngine:
         return self.resident_bytes + self.n_slots * self.slot_bytes
 
     def transport_stats(self) -> tuple[int, int, float]:
-        return self.transport.stats() if self.transport is not None else (0, 0, 0.0)
+        return self.transport.stats() if self.transport is not None else self._final_transport_stats
 

@@ -176,7 +176,7 @@ class SlabSet:
         one at a time. With ``keep_warm``, parameters of CPU modules stay in their (still pinned)
         slabs, which move to the process registry for the next offload of the same weights."""
         all_cpu = all(orig_device[id(p)].type == "cpu" for u in self.units for _, p in u.params)
-        if keep_warm and all_cpu and self.pin:
+        if keep_warm and all_cpu:
             for u, unit in enumerate(self.units):
                 for (_, p), v in zip(unit.params, self.host_views[u]):
                     p.data = v
