@@ -1,0 +1,38 @@
+"""Shared test helpers: snapshots of a module's weights and the budgets that span a model."""
+
+from __future__ import annotations
+
+import torch
+
+from ddo_blocks import _native
+from ddo_blocks.units import split_units, tensor_nbytes
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor, torch.device]]:
+    """Each parameter object, a copy of its values and its device."""
+    return {n: (p, p.detach().cpu().clone(), p.device) for n, p in module.named_parameters()}
+
+
+def assert_restored(module: torch.nn.Module, snap) -> None:
+    """Same Parameter objects, bit-identical values, same devices, no sharing with offload memory."""
+    now = dict(module.named_parameters())
+    assert now.keys() == snap.keys()
+    for name, (param, values, device) in snap.items():
+        assert now[name] is param, f"{name}: parameter object replaced"
+        assert param.device == device, f"{name}: on {param.device}, was on {device}"
+        assert torch.equal(param.detach().cpu(), values), f"{name}: values changed"
+
+
+def budgets(module: torch.nn.Module) -> dict[str, int | None]:
+    """The budgets from 'everything streamed' (the planner's minimum) to 'everything resident'."""
+    units, leftovers = split_units(module)
+    base = sum(tensor_nbytes(p) for _, p in leftovers) + sum(tensor_nbytes(b) for b in module.buffers())
+    sizes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units]
+    minimum = _native.minimum_budget(sizes, base)
+    total = base + sum(sizes)
+    return {
+        "all_streamed": minimum,
+        "half": (minimum + total) // 2,
+        "all_resident": total,
+        "unlimited": None,
+    }

@@ -1,0 +1,158 @@
+"""Every documented bad input: a clear error naming what was wrong and what would work, raised
+before any weight moves, leaving the module usable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddo_blocks
+from ddo_blocks import _native
+from ddo_blocks.tiny import flux_inputs
+
+from .conftest import cuda_ready
+from .helpers import assert_restored, budgets, snapshot
+
+
+def _still_usable(module, snap, x, ref):
+    assert_restored(module, snap)
+    assert getattr(module, "_ddo_offload", None) is None or not module._ddo_offload.removed
+    with torch.no_grad():
+        assert torch.equal(module(**x)[0], ref)
+
+
+@pytest.fixture
+def flux_state(flux):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    return flux, snapshot(flux), x, ref
+
+
+def test_unknown_route_lists_valid_routes(flux_state):
+    flux, snap, x, ref = flux_state
+    with pytest.raises(ddo_blocks.ConfigError, match=r"unknown route 'fast'.*valid routes: linear, .*resident"):
+        ddo_blocks.offload(flux, route="fast", device="cpu")
+    _still_usable(flux, snap, x, ref)
+
+
+def test_unknown_preset_lists_valid_presets(flux_state):
+    flux, snap, x, ref = flux_state
+    with pytest.raises(ddo_blocks.ConfigError) as err:
+        ddo_blocks.offload(flux, preset="turbo", device="cpu")
+    msg = str(err.value)
+    assert "turbo" in msg
+    for name in ("auto", "one_shot_fast", "low_ram_safe", "warm_process", "wsl_compat", "off"):
+        assert name in msg
+    _still_usable(flux, snap, x, ref)
+
+
+def test_budget_below_largest_unit_names_the_minimum(flux_state):
+    flux, snap, x, ref = flux_state
+    minimum = budgets(flux)["all_streamed"]
+    with pytest.raises(ddo_blocks.BudgetError, match=rf"minimum .*\({minimum} bytes\)") as err:
+        ddo_blocks.offload(flux, vram_budget=minimum - 1, device="cpu")
+    assert "2 slots" in str(err.value)
+    assert isinstance(err.value, ddo_blocks.PlanError) and isinstance(err.value, ddo_blocks.DdoError)
+    _still_usable(flux, snap, x, ref)
+    handle = ddo_blocks.offload(flux, vram_budget=minimum, device="cpu")  # the named minimum works
+    handle.remove()
+
+
+@pytest.mark.parametrize("bad", ["six gigs", "-1GiB", "6 parsecs", True, [1]])
+def test_malformed_budget(flux_state, bad):
+    flux, snap, x, ref = flux_state
+    with pytest.raises(ddo_blocks.ConfigError, match="vram_budget"):
+        ddo_blocks.offload(flux, vram_budget=bad, device="cpu")
+    _still_usable(flux, snap, x, ref)
+
+
+def test_budget_strings():
+    assert ddo_blocks.parse_bytes("6GiB") == 6 * 1024**3
+    assert ddo_blocks.parse_bytes("1.5 GB") == 1_500_000_000
+    assert ddo_blocks.parse_bytes("512MiB") == 512 * 1024**2
+    assert ddo_blocks.parse_bytes(123) == 123
+    assert ddo_blocks.parse_bytes(None) is None
+
+
+@pytest.mark.skipif(cuda_ready(), reason="this machine has CUDA")
+def test_cuda_without_driver_is_a_clear_error(flux_state):
+    flux, snap, x, ref = flux_state
+    with pytest.raises(ddo_blocks.CudaNotAvailableError, match="CUDA is not available.*device='cpu'"):
+        ddo_blocks.offload(flux, device="cuda")
+    assert isinstance(_native.cuda_unavailable_reason(), str)
+    with pytest.raises(ddo_blocks.CudaNotAvailableError):
+        _native.Transport("cuda", 0, 2)
+    _still_usable(flux, snap, x, ref)
+
+
+def test_unsupported_device(flux_state):
+    flux, snap, x, ref = flux_state
+    with pytest.raises(ddo_blocks.ConfigError, match="not supported"):
+        ddo_blocks.offload(flux, device="meta")
+    with pytest.raises(ddo_blocks.ConfigError, match="is not a device"):
+        ddo_blocks.offload(flux, device="gpu0")
+    _still_usable(flux, snap, x, ref)
+
+
+def test_module_without_parameters():
+    with pytest.raises(ddo_blocks.ConfigError, match="has no parameters"):
+        ddo_blocks.offload(torch.nn.ReLU(), device="cpu")
+
+
+def test_not_a_module():
+    with pytest.raises(ddo_blocks.ConfigError, match="needs a torch.nn.Module"):
+        ddo_blocks.offload("transformer", device="cpu")
+
+
+def test_offloading_twice(flux_state):
+    flux, snap, x, ref = flux_state
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    with pytest.raises(ddo_blocks.OffloadStateError, match="already offloaded.*remove"):
+        ddo_blocks.offload(flux, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    handle.remove()
+    _still_usable(flux, snap, x, ref)
+
+
+def test_remove_twice(flux_state):
+    flux, snap, x, ref = flux_state
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    handle.remove()
+    with pytest.raises(ddo_blocks.OffloadStateError, match="already removed"):
+        handle.remove()
+    _still_usable(flux, snap, x, ref)
+
+
+def test_unknown_route_option(flux_state):
+    flux, snap, x, ref = flux_state
+    with pytest.raises(ddo_blocks.ConfigError, match="takes no options, got offload_type"):
+        ddo_blocks.offload(flux, device="cpu", offload_type="leaf_level")
+    _still_usable(flux, snap, x, ref)
+
+
+def test_failure_during_setup_rolls_back(flux_state, monkeypatch):
+    """A failure in the middle of packing (here: injected on the third slab copy) restores the module."""
+    flux, snap, x, ref = flux_state
+    from ddo_blocks.engine import slabs as slabs_mod
+
+    calls = {"n": 0}
+    real_view = slabs_mod._view
+
+    def flaky_view(base, offset, like):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise MemoryError("injected allocation failure")
+        return real_view(base, offset, like)
+
+    monkeypatch.setattr(slabs_mod, "_view", flaky_view)
+    with pytest.raises(MemoryError, match="injected"):
+        ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    monkeypatch.undo()
+    assert getattr(flux, "_ddo_offload", None) is None
+    _still_usable(flux, snap, x, ref)
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    handle.remove()

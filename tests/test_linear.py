@@ -1,0 +1,281 @@
+"""The linear route on the CPU engine (slots in host memory, copies by memcpy): exactness for every
+preset and budget, restoration, cyclic prefetch, order learning, VAE entry points, host RAM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddo_blocks
+from ddo_blocks.tiny import flux_inputs
+
+from .helpers import assert_restored, budgets, snapshot
+
+PRESETS = ["one_shot_fast", "low_ram_safe", "warm_process", "wsl_compat"]
+
+
+@pytest.fixture(autouse=True)
+def _no_warm_leftovers():
+    yield
+    ddo_blocks.release_warm_slabs()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("budget_name", ["all_streamed", "half", "all_resident", "unlimited"])
+def test_flux_offloaded_output_equals_resident(flux, preset, budget_name):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    snap = snapshot(flux)
+    budget = budgets(flux)[budget_name]
+    handle = ddo_blocks.offload(flux, preset=preset, vram_budget=budget, device="cpu", component="transformer")
+    plan = handle.report()["plan"]
+    if budget_name == "all_streamed":
+        assert plan["resident_units"] == 0 and plan["streamed_units"] == 5
+    if budget_name in ("all_resident", "unlimited"):
+        assert plan["streamed_units"] == 0
+    if budget is not None:
+        assert plan["gpu_bytes"] <= budget
+    with torch.no_grad():
+        outs = [flux(**x)[0] for _ in range(3)]
+    for out in outs:
+        assert torch.equal(out, ref)
+    handle.remove()
+    assert_restored(flux, snap)
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+
+
+def test_streamed_params_are_views_into_slabs_no_second_copy(flux):
+    handle = ddo_blocks.offload(flux, preset="one_shot_fast", vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    engine = handle.engine
+    slab_storages = {s.storage.data_ptr() for s in engine.slabs.slabs}
+    streamed_bytes = 0
+    for unit in engine.streamed:
+        for _, p in unit.params:
+            assert p.untyped_storage().data_ptr() in slab_storages
+            streamed_bytes += p.numel() * p.element_size()
+    n_params = sum(len(u.params) for u in engine.streamed)
+    # exact-size slabs: the streamed bytes plus at most the 256-byte alignment of each tensor
+    assert streamed_bytes <= engine.slabs.nbytes <= streamed_bytes + 256 * n_params
+    handle.remove()
+
+
+def test_cyclic_prefetch_has_no_misses_after_first_call(flux):
+    x = flux_inputs(flux)
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    with torch.no_grad():
+        for _ in range(4):
+            flux(**x)
+    rt = handle.report()["runtime"]
+    assert rt["calls"] == 4
+    assert rt["misses"] == 0
+    assert rt["order_changes"] == 0
+    # every call moves exactly the streamed units once (the prefetch of the next call included)
+    assert rt["h2d_call_bytes"] == handle.report()["plan"]["streamed_bytes"]
+    handle.remove()
+
+
+class Reversed(torch.nn.Module):
+    """Runs its blocks in reverse definition order: the engine must learn the real order."""
+
+    def __init__(self, n: int = 6, width: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+        self.head = torch.nn.Linear(width, 4)
+
+    def forward(self, x):
+        for block in reversed(self.blocks):
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_execution_order_is_learned_not_assumed():
+    model = Reversed()
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        ref = model(x)
+    handle = ddo_blocks.offload(model, vram_budget=budgets(model)["all_streamed"], device="cpu")
+    with torch.no_grad():
+        outs = [model(x) for _ in range(4)]
+    assert all(torch.equal(o, ref) for o in outs)
+    rt = handle.report()["runtime"]
+    assert rt["order_changes"] == 1
+    first_call_misses = rt["misses"]
+    assert first_call_misses >= 1
+    with torch.no_grad():
+        model(x)
+    assert handle.report()["runtime"]["misses"] == first_call_misses  # no misses once learned
+    handle.remove()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_vae_encode_decode_are_hooked_and_exact(vae, preset):
+    img = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lat = vae.encode(img).latent_dist.mode()
+        dec = vae.decode(lat).sample
+    snap = snapshot(vae)
+    handle = ddo_blocks.offload(vae, preset=preset, vram_budget=budgets(vae)["all_streamed"], device="cpu",
+                                component="vae")
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(vae.encode(img).latent_dist.mode(), lat)
+            assert torch.equal(vae.decode(lat).sample, dec)
+    assert handle.report()["runtime"]["calls"] == 4  # encode and decode count as calls
+    handle.remove()
+    assert_restored(vae, snap)
+
+
+def test_warm_process_reuses_slabs_without_copying(flux):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    b = budgets(flux)["all_streamed"]
+    first = ddo_blocks.offload(flux, preset="warm_process", vram_budget=b, device="cpu")
+    assert not first.report()["setup"]["warm_reused"]
+    first.remove()
+    assert ddo_blocks.warm_bytes() > 0  # kept for the process
+    second = ddo_blocks.offload(flux, preset="warm_process", vram_budget=b, device="cpu")
+    setup = second.report()["setup"]
+    assert setup["warm_reused"] and setup["packed_bytes"] == 0
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    second.remove()
+    assert ddo_blocks.release_warm_slabs() > 0
+    assert ddo_blocks.warm_bytes() == 0
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+
+
+def test_one_shot_fast_frees_slabs_on_remove(flux):
+    handle = ddo_blocks.offload(flux, preset="one_shot_fast", vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    slab_storages = {s.storage.data_ptr() for s in handle.engine.slabs.slabs}
+    handle.remove()
+    assert ddo_blocks.warm_bytes() == 0
+    for p in flux.parameters():
+        assert p.untyped_storage().data_ptr() not in slab_storages
+
+
+def test_low_ram_safe_goes_through_the_staging_ring(flux):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    handle = ddo_blocks.offload(flux, preset="low_ram_safe", vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    assert handle.report()["plan"]["staging_bytes"] == 4 * 64 * 1024 * 1024
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    assert handle.report()["memory"]["pinned_bytes"] == 0
+    handle.remove()
+
+
+def test_exception_inside_a_block_leaves_the_module_usable(flux):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    boom = {"armed": True}
+
+    def fail_once(module, args):
+        if boom["armed"]:
+            boom["armed"] = False
+            raise RuntimeError("injected failure")
+
+    hook = flux.single_transformer_blocks[1].register_forward_pre_hook(fail_once)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
+        flux(**x)
+    hook.remove()
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+        assert torch.equal(flux(**x)[0], ref)
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+
+
+def test_remove_while_running_is_refused_and_harmless(flux):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    seen = []
+
+    def try_remove(module, args):
+        with pytest.raises(ddo_blocks.OffloadStateError, match="while it is running"):
+            handle.remove()
+        seen.append(True)
+
+    hook = flux.transformer_blocks[0].register_forward_pre_hook(try_remove)
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    hook.remove()
+    assert seen
+    handle.remove()
+
+
+def test_resident_and_off_routes(flux):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    snap = snapshot(flux)
+    for route in ("resident", "off"):
+        handle = ddo_blocks.offload(flux, route=route, device="cpu")
+        with torch.no_grad():
+            assert torch.equal(flux(**x)[0], ref)
+        assert handle.report()["route"] == route
+        handle.remove()
+        assert_restored(flux, snap)
+    handle = ddo_blocks.offload(flux, preset="off", device="cpu")
+    assert handle.preset.name == "off"
+    handle.remove()
+
+
+def test_enable_offload_is_shaped_like_the_original(flux):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    result = ddo_blocks.enable_offload(flux, preset="auto", component="transformer", device="cpu",
+                                       vram_budget=budgets(flux)["half"])
+    assert result.module is flux
+    assert result.handle.preset.name in ("one_shot_fast", "low_ram_safe", "wsl_compat")
+    with torch.no_grad():
+        assert torch.equal(result.module(**x)[0], ref)
+    assert result.report["component"] == "transformer"
+    result.remove()
+
+
+def test_context_manager_removes(flux):
+    snap = snapshot(flux)
+    with ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu") as handle:
+        assert not handle.removed
+    assert handle.removed
+    assert_restored(flux, snap)
+
+
+def test_tied_weights_stay_resident():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 16)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+            self.layers[2].weight = self.layers[0].weight
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    torch.manual_seed(0)
+    model = Tied()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        ref = model(ids)
+    handle = ddo_blocks.offload(model, vram_budget=budgets(model)["all_streamed"], device="cpu")
+    streamed = {id(p) for u in handle.engine.streamed for _, p in u.params}
+    assert id(model.layers[0].weight) not in streamed
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref)
+    handle.remove()
+    assert model.layers[2].weight is model.layers[0].weight
