@@ -80,4 +80,6 @@ def flux_inputs(model, batch: int = 1, height: int = 8, width: int = 8, text_len
         txt_ids=txt_ids,
         return_dict=False,
     )
+    if getattr(cfg, "guidance_embeds", False):
+        out["guidance"] = torch.full((batch,), 3.5).to(dtype)
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
