@@ -25,7 +25,20 @@ from .errors import (
     OffloadStateError,
     PlanError,
 )
+from .engine import diffusers_compat as _diffusers_compat
 from .report import Report
+
+_diffusers_compat.register()  # route "diffusers": official group offloading
+
+
+def __getattr__(name: str):
+    # The blocks import diffusers' Modular Pipelines: loaded on first use, not with the package.
+    if name in ("wrap", "blocks", "OffloadPolicy", "OffloadBlock"):
+        import importlib
+
+        blocks = importlib.import_module(".blocks", __name__)
+        return blocks if name == "blocks" else getattr(blocks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "BudgetError",
@@ -34,8 +47,10 @@ __all__ = [
     "CudaError",
     "CudaNotAvailableError",
     "DdoError",
+    "OffloadBlock",
     "OffloadHandle",
     "OffloadMemoryError",
+    "OffloadPolicy",
     "OffloadResult",
     "OffloadStateError",
     "PlanError",
@@ -50,4 +65,5 @@ __all__ = [
     "release_warm_slabs",
     "resolve_device",
     "warm_bytes",
+    "wrap",
 ]

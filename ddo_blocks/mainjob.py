@@ -1,7 +1,13 @@
-"""The main job of ``make run``: offload the embedded tiny Flux-architecture transformer, run it,
-check it against the resident run, and print and save its report.
+"""The main job of ``make run``: the staged Flux-architecture Modular pipeline with DDO blocks.
 
-(The staged Modular pipeline replaces this job once the blocks land; see ``pipelines/``.)
+By default it runs the embedded tiny Flux model (generated once from a config into ``.ddo_cache/``
+and loaded with diffusers' ``from_pretrained``) with mixed routes: Diffusers leaf offloading for the
+text encoders, the linear route for the transformer with the smallest budget (every block streams),
+the VAE resident. It prints each block's report, checks the image against the same pipeline without
+offloading, writes the image and the report JSON, and says where. ``--model PATH`` runs a real
+Diffusers Flux directory the same way (on a GPU).
+
+The transformer-only job this replaced is ``run_transformer`` below (kept for its exactness check).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from .budget import fmt_bytes, parse_bytes
 from .tiny import flux_inputs, tiny_flux_transformer
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_transformer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--route", default="linear", help="route for the transformer (default: linear)")
@@ -28,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="outputs", help="where the report JSON goes (default: outputs/)")
 
 
-def run(args: argparse.Namespace) -> int:
+def run_transformer(args: argparse.Namespace) -> int:
     from . import _native
 
     model = tiny_flux_transformer()
@@ -62,3 +68,35 @@ def run(args: argparse.Namespace) -> int:
     handle.remove()
     print(f"report written to {path.resolve()}")
     return 0 if exact else 1
+
+
+# -------------------------------------------------------------------------------------------------
+# the main job: the staged Flux Modular pipeline
+# -------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m ddo_blocks run`` (``make run ARGS=...``)."""
+    from .blocks.runner import StageDefaults
+    from .blocks.runner import add_arguments as add_pipeline_arguments
+
+    p.description = (
+        "Run the staged Flux Modular pipeline (text_encoder -> denoise -> decode), each stage wrapped in "
+        "a DDO block with its own route, preset and VRAM budget; print each block's report and write the "
+        "image and the report JSON."
+    )
+    add_pipeline_arguments(
+        p,
+        family="flux",
+        defaults=StageDefaults(
+            routes={"text_encoder": "diffusers", "denoise": "linear", "decode": "resident"},
+            presets={"text_encoder": "diffusers_leaf_offload_compat"},
+            budgets={"denoise": "min"},
+        ),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from diffusers.modular_pipelines import FluxAutoBlocks
+
+    from .blocks.runner import run as run_pipeline
+
+    return run_pipeline(args, family="flux", make_blocks=FluxAutoBlocks, output="images")

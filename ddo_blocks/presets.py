@@ -26,6 +26,9 @@ class HostMode(str, enum.Enum):
     """Nothing is moved: the caller owns placement."""
     RESIDENT = "resident"
     """Every weight on the device."""
+    DIFFUSERS_HOOKS = "diffusers_hooks"
+    """Diffusers group offloading owns placement: weights stay where they are between groups; with
+    ``use_stream`` it keeps a page-locked copy of every tensor (``Tensor.pin_memory()``)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class Preset:
 
 
 def _staging_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 LINEAR_PRESETS: dict[str, Preset] = {
@@ -130,10 +133,34 @@ OFF_PRESETS: dict[str, Preset] = {
     "off": Preset("off", "off", "attach nothing; the caller owns placement", HostMode.CALLER, host_ram_ratio="unchanged")
 }
 
+DIFFUSERS_PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "diffusers",
+            "diffusers_offload_compat",
+            "official diffusers group offloading, block_level, 1 block per group, use_stream on CUDA "
+            "(options: offload_type, use_stream, record_stream, low_cpu_mem_usage, num_blocks_per_group, "
+            "offload_to_disk_path)",
+            HostMode.DIFFUSERS_HOOKS,
+            host_ram_ratio="1.0x; ~2.6x stream",
+        ),
+        Preset(
+            "diffusers",
+            "diffusers_leaf_offload_compat",
+            "official diffusers group offloading, leaf_level (every Linear/Conv/Embedding its own group), "
+            "use_stream on CUDA",
+            HostMode.DIFFUSERS_HOOKS,
+            host_ram_ratio="1.0x; ~1.6x stream",
+        ),
+    )
+}
+
 ROUTES: dict[str, dict[str, Preset]] = {
     "linear": LINEAR_PRESETS,
     "resident": RESIDENT_PRESETS,
     "off": OFF_PRESETS,
+    "diffusers": DIFFUSERS_PRESETS,
 }
 """Every route this build implements, with its presets (``auto`` is resolved at attach time)."""
 
@@ -171,13 +198,15 @@ def resolve(route: str, preset: str, *, streamed_bytes: int = 0, available_ram: 
 
 def describe() -> str:
     """The preset table, as printed by ``python -m ddo_blocks presets``."""
-    lines = [f"{'route':<10} {'preset':<15} {'host RAM':<18} what it does", "-" * 100]
+    wp = max(15, *(len(p.name) for presets in ROUTES.values() for p in presets.values()))
+    wh = max(18, *(len(p.host_ram_ratio) for presets in ROUTES.values() for p in presets.values()))
+    lines = [f"{'route':<10} {'preset':<{wp}} {'host RAM':<{wh}} what it does", "-" * (wp + wh + 90)]
     for route, presets in ROUTES.items():
         if route == "linear":
             lines.append(
-                f"{route:<10} {'auto':<15} {'-':<18} wsl_compat under WSL, else one_shot_fast when "
+                f"{route:<10} {'auto':<{wp}} {'-':<{wh}} wsl_compat under WSL, else one_shot_fast when "
                 "RAM allows pinning, else low_ram_safe"
             )
         for p in presets.values():
-            lines.append(f"{route:<10} {p.name:<15} {p.host_ram_ratio:<18} {p.summary}")
+            lines.append(f"{route:<10} {p.name:<{wp}} {p.host_ram_ratio:<{wh}} {p.summary}")
     return "\n".join(lines)

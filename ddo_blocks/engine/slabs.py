@@ -132,9 +132,7 @@ class SlabSet:
             self.reused_warm = True
             for slab in warm:
                 _WARM.pop(slab.ptr, None)
-            self.host_views = [
-                [p.data for _, p in unit.params] for unit in self.units
-            ]
+            self.host_views = [[p.data for _, p in unit.params] for unit in self.units]
             return
         by_slab: list[list[int]] = [[] for _ in self.slab_sizes]
         for u, (s, _) in enumerate(self.placement):
@@ -144,16 +142,23 @@ class SlabSet:
             storage, base = _alloc(size)
             slab = Slab(storage, base, None)
             self.slabs.append(slab)
+            jobs: list[tuple[int, int, int]] = []
+            moves: list[tuple[int, torch.nn.Parameter, torch.Tensor]] = []
             for u in by_slab[s]:
                 uoff = self.placement[u][1]
-                views = []
                 for (_, p), off in zip(self.units[u].params, self.param_offsets[u]):
                     v = _view(base, uoff + off, p.data)
-                    v.copy_(p.data)
-                    p.data = v
-                    views.append(v)
-                    self.bytes_packed += v.numel() * v.element_size()
-                self.host_views[u] = views
+                    if p.device.type == "cpu" and p.data.is_contiguous():
+                        jobs.append((v.data_ptr(), p.data_ptr(), v.numel() * v.element_size()))
+                    else:
+                        v.copy_(p.data)
+                    moves.append((u, p, v))
+            _native.copy_host_many(jobs)  # parallel, GIL released
+            # only now, with the bytes in place, do parameters (and a rollback) see the slab
+            for u, p, v in moves:
+                p.data = v
+                self.host_views[u].append(v)
+                self.bytes_packed += v.numel() * v.element_size()
             if self.pin:
                 slab.registration = _native.HostRegistration(storage, base.data_ptr(), size, self.ordinal)
 
@@ -186,12 +191,31 @@ class SlabSet:
             return
         by_slab: list[list[int]] = [[] for _ in self.slabs]
         for u, (s, _) in enumerate(self.placement):
-            by_slab[s].append(u)
-        for s, slab in enumerate(self.slabs):
+            if s < len(by_slab):
+                by_slab[s].append(u)
+        slabs, self.slabs = self.slabs, []
+        for s in range(len(slabs)):
+            slab = slabs[s]
+            jobs: list[tuple[int, int, int]] = []
+            moves: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
             for u in by_slab[s]:
-                for (_, p), v in zip(self.units[u].params, self.host_views[u]):
+                views = self.host_views[u] if u < len(self.host_views) else []
+                for (_, p), v in zip(self.units[u].params, views):
                     dev = orig_device[id(p)]
-                    p.data = v.clone() if dev.type == "cpu" else v.to(dev)
+                    if dev.type == "cpu":
+                        own = torch.empty_like(v, memory_format=torch.contiguous_format)
+                        jobs.append((own.data_ptr(), v.data_ptr(), v.numel() * v.element_size()))
+                    else:
+                        own = v.to(dev)
+                    moves.append((p, own))
+                if u < len(self.host_views):
+                    self.host_views[u] = []
+            _native.copy_host_many(jobs)  # parallel, GIL released
+            for p, own in moves:
+                p.data = own
+            # this slab is no longer referenced: unpin and free it before copying out the next one,
+            # so the extra host memory during remove() stays at one slab
             slab.close()
-        self.slabs = []
+            slabs[s] = None  # type: ignore[call-overload]
+            del slab
         self.host_views = []

@@ -6,8 +6,12 @@ use rayon::prelude::*;
 use crate::driver::{check, init};
 use crate::error::{CudaError, Result};
 
-/// Below this size a host copy runs on one thread; above it, in chunks of this size on rayon.
-const PAR_CHUNK: usize = 8 << 20;
+/// Below this size a host copy runs on one thread.
+const SERIAL_MAX: usize = 1 << 20;
+/// Chunks of a parallel copy are at least this big (smaller ones cost more in scheduling than they
+/// gain) and at most `MAX_CHUNK`, so every thread of the pool gets work on a 64 MiB staging buffer.
+const MIN_CHUNK: usize = 1 << 20;
+const MAX_CHUNK: usize = 8 << 20;
 
 /// Page-locks `len` bytes at `ptr` (`cuMemHostRegister`, portable to every context) until dropped.
 ///
@@ -102,15 +106,16 @@ pub fn copy_host(dst: usize, src: usize, n: usize) {
     if n == 0 {
         return;
     }
-    if n <= PAR_CHUNK {
+    if n <= SERIAL_MAX {
         // SAFETY: the caller guarantees both ranges are live, `n` bytes long and disjoint.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, n) };
         return;
     }
-    let chunks = n.div_ceil(PAR_CHUNK);
+    let chunk = (n / rayon::current_num_threads().max(1)).clamp(MIN_CHUNK, MAX_CHUNK) & !63;
+    let chunks = n.div_ceil(chunk);
     (0..chunks).into_par_iter().for_each(|i| {
-        let off = i * PAR_CHUNK;
-        let len = PAR_CHUNK.min(n - off);
+        let off = i * chunk;
+        let len = chunk.min(n - off);
         // SAFETY: each chunk is a disjoint sub-range of the caller's live, disjoint ranges.
         unsafe { std::ptr::copy_nonoverlapping((src + off) as *const u8, (dst + off) as *mut u8, len) };
     });
@@ -127,7 +132,7 @@ mod tests {
 
     #[test]
     fn copies_small_and_large_ranges_exactly() {
-        for n in [0usize, 1, 255, PAR_CHUNK, PAR_CHUNK * 3 + 17] {
+        for n in [0usize, 1, 255, SERIAL_MAX, SERIAL_MAX + 1, MAX_CHUNK * 3 + 17] {
             let src: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
             let mut dst = vec![0u8; n];
             copy_host(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n);

@@ -1,0 +1,107 @@
+"""``wrap()``: a whole preset pipeline's stages wrapped with DDO blocks in one call."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from diffusers.modular_pipelines import SequentialPipelineBlocks
+
+from ..errors import ConfigError
+from .block import STAGE_FORMS, OffloadBlock, module_components
+from .policy import STAGE_KINDS, OffloadPolicy, default_policy, parse_stage_policy
+
+
+def wrap(
+    blocks: SequentialPipelineBlocks,
+    *,
+    device: str | torch.device = "cuda",
+    preset: str = "auto",
+    text_encoder: Any = None,
+    denoise: Any = None,
+    decode: Any = None,
+    **stages: Any,
+) -> SequentialPipelineBlocks:
+    """Wraps every stage of ``blocks`` that has components with weights in an :class:`OffloadBlock`.
+
+    Example::
+
+        blocks = ddo_blocks.wrap(
+            FluxAutoBlocks(),
+            text_encoder={"route": "diffusers", "offload_type": "leaf_level"},
+            denoise={"route": "linear", "preset": "one_shot_fast", "vram_budget": "6GiB"},
+            decode="resident",
+            device="cuda",
+        )
+        pipe = blocks.init_pipeline("black-forest-labs/FLUX.1-dev")
+
+    Args:
+        blocks: a preset's blocks (``FluxAutoBlocks()``, ``WanBlocks()``, ...) or any
+            ``SequentialPipelineBlocks``. It is not changed: a wrapped copy is returned.
+        device: where the stages compute.
+        preset: the pipeline preset whose defaults fill the stages left out (``docs/blocks.md`` has
+            the table): ``auto``, a linear preset, ``diffusers_offload_compat``,
+            ``diffusers_leaf_offload_compat``, ``resident`` or ``off``.
+        text_encoder, denoise, decode, **stages: each stage's policy: a route name, a mapping
+            (``{"route": "linear", "preset": "one_shot_fast", "vram_budget": "6GiB"}`` plus route options),
+            an :class:`OffloadPolicy`, or a mapping from component name to any of those. ``None``: the
+            preset's default.
+
+    A component that two stages share (the VAE of ``vae_encoder`` and ``decode``) gets one policy:
+    the one of the named stage (``text_encoder``, ``denoise``, ``decode``) that has it.
+
+    Raises:
+        ConfigError: a stage or component the blocks do not have (the message lists the real ones),
+            a stage without weights, conflicting policies for a shared component, or a bad policy.
+    """
+    if not isinstance(blocks, SequentialPipelineBlocks):
+        raise ConfigError(
+            f"wrap() takes a pipeline's SequentialPipelineBlocks (e.g. FluxAutoBlocks()), got "
+            f"{type(blocks).__name__}; wrap a single stage with ddo_blocks.blocks.OffloadBlock(stage, ...)"
+        )
+    out = copy.deepcopy(blocks)
+    real = list(out.sub_blocks)
+    asked = {"text_encoder": text_encoder, "denoise": denoise, "decode": decode, **stages}
+    unknown = [s for s, v in asked.items() if v is not None and s not in real]
+    if unknown:
+        raise ConfigError(
+            f"{type(blocks).__name__} has no stage(s) {', '.join(map(repr, unknown))}; its stages are "
+            f"{', '.join(real)}"
+        )
+    with_weights = {name: module_components(b) for name, b in out.sub_blocks.items()}
+    for name, value in asked.items():
+        if value is not None and not with_weights[name]:
+            comps = ", ".join(s.name for s in out.sub_blocks[name].expected_components) or "none"
+            raise ConfigError(
+                f"stage {name!r} has no component with weights to offload (its components: {comps}); "
+                f"stages with weights: {', '.join(n for n, c in with_weights.items() if c)}"
+            )
+    for name, block in out.sub_blocks.items():
+        if isinstance(block, OffloadBlock):
+            raise ConfigError(f"stage {name!r} is already wrapped; wrap() the unwrapped blocks once")
+    # Named stages decide the policy of the components they share with other stages.
+    order = [s for s in STAGE_KINDS if s in with_weights] + [s for s in real if s not in STAGE_KINDS]
+    chosen: dict[str, tuple[OffloadPolicy, str]] = {}
+    per_stage: dict[str, dict[str, OffloadPolicy]] = {}
+    for stage in order:
+        names = with_weights[stage]
+        if not names:
+            continue
+        defaults = {c: chosen[c][0] if c in chosen else default_policy(stage, preset) for c in names}
+        policies = parse_stage_policy(asked.get(stage), names, defaults, stage=stage)
+        for comp, pol in policies.items():
+            if comp in chosen and chosen[comp][0] != pol:
+                first = chosen[comp][1]
+                raise ConfigError(
+                    f"component {comp!r} is used by stages {first!r} ({chosen[comp][0].describe()}) and "
+                    f"{stage!r} ({pol.describe()}); a component has one policy: set it on {first!r} only, "
+                    "or give both the same"
+                )
+            chosen.setdefault(comp, (pol, stage))
+        per_stage[stage] = policies
+    for stage, policies in per_stage.items():
+        form = STAGE_FORMS.get(stage, OffloadBlock)
+        out.sub_blocks[stage] = form(out.sub_blocks[stage], stage=stage, policy=policies, device=device,
+                                     preset=preset)
+    return out

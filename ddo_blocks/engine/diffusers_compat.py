@@ -1,0 +1,335 @@
+"""The Diffusers compatibility route (``route="diffusers"``): official group offloading, validated up
+front and removed cleanly.
+
+It delegates to ``ModelMixin.enable_group_offload`` for diffusers models and to
+``diffusers.hooks.apply_group_offloading`` for anything else (transformers text encoders). Diffusers
+has no public way to undo group offloading; ``detach()`` removes the three hooks it installs
+(``group_offloading``, ``layer_execution_tracker``, ``lazy_prefetch_group_offloading``) and puts every
+parameter and buffer back on its original device with its original values, in ordinary (not
+page-locked) memory.
+
+Presets (``python -m ddo_blocks presets``):
+
+- ``diffusers_offload_compat``: ``offload_type="block_level"``, ``num_blocks_per_group=1``,
+  ``use_stream`` on CUDA.
+- ``diffusers_leaf_offload_compat``: ``offload_type="leaf_level"``, ``use_stream`` on CUDA.
+
+Route options (each overrides the preset's value): ``offload_type``, ``use_stream``,
+``record_stream``, ``low_cpu_mem_usage``, ``num_blocks_per_group``, ``offload_to_disk_path``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, OffloadMemoryError, OffloadStateError
+from ..presets import Preset, resolve
+
+ROUTE = "diffusers"
+
+OPTION_NAMES = (
+    "offload_type",
+    "use_stream",
+    "record_stream",
+    "low_cpu_mem_usage",
+    "num_blocks_per_group",
+    "offload_to_disk_path",
+)
+OFFLOAD_TYPES = ("block_level", "leaf_level")
+
+_HOOK_NAMES = ("lazy_prefetch_group_offloading", "layer_execution_tracker", "group_offloading")
+"""Every hook ``apply_group_offloading`` registers, outermost first."""
+
+PRESET_OPTIONS: dict[str, dict[str, Any]] = {
+    "diffusers_offload_compat": {"offload_type": "block_level", "num_blocks_per_group": 1},
+    "diffusers_leaf_offload_compat": {"offload_type": "leaf_level"},
+}
+"""What each preset sets; ``use_stream`` defaults to True on CUDA and False on the CPU for both."""
+
+
+@dataclass(frozen=True)
+class GroupOffloadOptions:
+    """The validated settings handed to diffusers (see ``apply_group_offloading``)."""
+
+    offload_type: str
+    use_stream: bool
+    record_stream: bool = False
+    low_cpu_mem_usage: bool = False
+    num_blocks_per_group: int | None = None
+    offload_to_disk_path: str | None = None
+
+    def as_report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"offload_type": self.offload_type, "use_stream": self.use_stream}
+        if self.offload_type == "block_level":
+            out["num_blocks_per_group"] = self.num_blocks_per_group
+        if self.record_stream:
+            out["record_stream"] = True
+        if self.low_cpu_mem_usage:
+            out["low_cpu_mem_usage"] = True
+        if self.offload_to_disk_path is not None:
+            out["offload_to_disk_path"] = self.offload_to_disk_path
+        return out
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"route 'diffusers' option {name}={value!r} must be True or False")
+    return value
+
+
+def check_options(preset: str, options: dict[str, Any], device: torch.device) -> GroupOffloadOptions:
+    """Validates the diffusers route's options for ``device`` and merges them over the preset's.
+
+    Everything diffusers would reject later (or silently change) is rejected here, before any
+    weight moves.
+
+    Raises:
+        ConfigError: an unknown option or value, ``block_level`` without ``num_blocks_per_group``,
+            ``record_stream`` without ``use_stream``, streams on a device without them.
+    """
+    chosen = resolve(ROUTE, preset)
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise ConfigError(
+            f"route 'diffusers' does not know option(s) {', '.join(unknown)}; its options are "
+            f"{', '.join(OPTION_NAMES)}"
+        )
+    merged: dict[str, Any] = {"use_stream": device.type == "cuda", **PRESET_OPTIONS[chosen.name], **options}
+    offload_type = merged["offload_type"]
+    offload_type = getattr(offload_type, "value", offload_type)  # GroupOffloadingType is a str enum
+    if offload_type not in OFFLOAD_TYPES:
+        raise ConfigError(
+            f"route 'diffusers' offload_type={offload_type!r} is not known; use 'block_level' or 'leaf_level'"
+        )
+    use_stream = _bool("use_stream", merged["use_stream"])
+    record_stream = _bool("record_stream", merged.get("record_stream", False))
+    low_cpu = _bool("low_cpu_mem_usage", merged.get("low_cpu_mem_usage", False))
+    if use_stream and device.type != "cuda":
+        raise ConfigError(
+            f"route 'diffusers' use_stream=True needs a CUDA device (copies run on a side stream), but the "
+            f"device is {str(device)!r}; pass use_stream=False"
+        )
+    if record_stream and not use_stream:
+        raise ConfigError("route 'diffusers' record_stream=True needs use_stream=True; pass both or neither")
+    blocks = merged.get("num_blocks_per_group")
+    if offload_type == "block_level":
+        if blocks is None:
+            raise ConfigError(
+                "route 'diffusers' offload_type='block_level' needs num_blocks_per_group (e.g. 1); "
+                "or use offload_type='leaf_level'"
+            )
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+            raise ConfigError(f"route 'diffusers' num_blocks_per_group={blocks!r} must be a positive int")
+        if use_stream and blocks != 1:
+            raise ConfigError(
+                f"route 'diffusers' with use_stream=True moves one block per group; num_blocks_per_group={blocks} "
+                "would be changed to 1 by diffusers: pass num_blocks_per_group=1 or use_stream=False"
+            )
+    elif "num_blocks_per_group" in options:
+        raise ConfigError(
+            "route 'diffusers' num_blocks_per_group only applies to offload_type='block_level'; "
+            "leaf_level makes every Linear/Conv/Embedding layer its own group"
+        )
+    else:
+        blocks = None
+    disk = merged.get("offload_to_disk_path")
+    if disk is not None:
+        if not isinstance(disk, (str, os.PathLike)):
+            raise ConfigError(f"route 'diffusers' offload_to_disk_path must be a directory path, got {disk!r}")
+        disk = os.fspath(disk)
+        if os.path.exists(disk) and not os.path.isdir(disk):
+            raise ConfigError(f"route 'diffusers' offload_to_disk_path={disk!r} exists and is not a directory")
+    return GroupOffloadOptions(offload_type, use_stream, record_stream, low_cpu, blocks, disk)
+
+
+def check_module(module: nn.Module, name: str | None = None) -> None:
+    """Checks that diffusers group offloading can be applied to ``module`` now.
+
+    Raises:
+        ConfigError: accelerate is missing, or the model class does not support group offloading.
+        OffloadStateError: group offloading or accelerate offload hooks are already attached.
+    """
+    from diffusers.utils import is_accelerate_available
+
+    label = name or type(module).__name__
+    if not is_accelerate_available():
+        raise ConfigError(
+            "route 'diffusers' needs accelerate (diffusers moves hook inputs with it); "
+            "`pip install accelerate`, or use route='linear'"
+        )
+    if getattr(type(module), "_supports_group_offloading", True) is False:
+        raise ConfigError(
+            f"{label} ({type(module).__name__}) does not support diffusers group offloading "
+            "(_supports_group_offloading = False); use route='linear' or route='resident' for it"
+        )
+    conflict = foreign_offload(module)
+    if conflict is not None:
+        raise OffloadStateError(f"{label} {conflict}")
+
+
+def foreign_offload(module: nn.Module) -> str | None:
+    """Describes offloading already attached to ``module`` by something else, or ``None``.
+
+    Looks for diffusers group offloading and accelerate hooks that move weights
+    (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``device_map``).
+    """
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+    if _is_group_offload_enabled(module):
+        return (
+            "already has diffusers group offloading (enable_group_offload / apply_group_offloading); "
+            "remove it first, or keep it and give this component route='off'"
+        )
+    for sub_name, sub in module.named_modules():
+        hook = getattr(sub, "_hf_hook", None)
+        if hook is None or getattr(hook, "_ddo_owned", False):
+            continue
+        where = f" on {sub_name}" if sub_name else ""
+        return (
+            f"already has an accelerate hook{where} ({type(hook).__name__}: enable_model_cpu_offload, "
+            "enable_sequential_cpu_offload or a device_map); remove it (accelerate.hooks.remove_hook_from_module"
+            "(module, recurse=True)) first, or keep it and give this component route='off'"
+        )
+    return None
+
+
+class DiffusersGroupOffloadEngine:
+    """Applies and removes diffusers group offloading on one component."""
+
+    def __init__(self, module: nn.Module, preset: Preset, device: torch.device, options: GroupOffloadOptions):
+        self.module = module
+        self.preset = preset
+        self.device = device
+        self.options = options
+        self.setup_s = 0.0
+        self._orig: list[tuple[nn.Module, str, bool, torch.device]] = []
+        self._disk_dir: str | None = None
+        self._attached = False
+
+    # -----------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        t0 = time.perf_counter()
+        self._orig = [
+            (owner, name, is_param, tensor.device)
+            for owner in self.module.modules()
+            for is_param, table in ((True, owner._parameters), (False, owner._buffers))
+            for name, tensor in table.items()
+            if tensor is not None
+        ]
+        opts = self.options
+        if opts.offload_to_disk_path is not None:
+            # diffusers names its files after group ids and silently reuses a file that already exists,
+            # even one of another model: give this offload a fresh folder of its own.
+            os.makedirs(opts.offload_to_disk_path, exist_ok=True)
+            self._disk_dir = tempfile.mkdtemp(prefix=f"{type(self.module).__name__}-", dir=opts.offload_to_disk_path)
+        kwargs: dict[str, Any] = dict(
+            onload_device=self.device,
+            offload_device=torch.device("cpu"),
+            offload_type=opts.offload_type,
+            num_blocks_per_group=opts.num_blocks_per_group,
+            use_stream=opts.use_stream,
+            record_stream=opts.record_stream,
+            low_cpu_mem_usage=opts.low_cpu_mem_usage,
+            offload_to_disk_path=self._disk_dir,
+        )
+        try:
+            enable = getattr(self.module, "enable_group_offload", None)
+            if callable(enable):
+                enable(**kwargs)
+            else:
+                from diffusers.hooks import apply_group_offloading
+
+                apply_group_offloading(self.module, **kwargs)
+        except Exception as exc:
+            self._restore()
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise OffloadMemoryError(
+                    f"out of memory applying diffusers group offloading to {type(self.module).__name__}; "
+                    "the module was restored; try low_cpu_mem_usage=True or route='linear'"
+                ) from exc
+            raise
+        self._attached = True
+        self.setup_s = time.perf_counter() - t0
+
+    def detach(self) -> None:
+        """Removes the hooks and restores every parameter and buffer (device, values, plain memory)."""
+        self._restore()
+        self._attached = False
+
+    # -----------------------------------------------------------------------------------------
+    def _groups(self) -> list[Any]:
+        groups = []
+        for sub in self.module.modules():
+            registry = getattr(sub, "_diffusers_hook", None)
+            hook = registry.get_hook("group_offloading") if registry is not None else None
+            if hook is not None:
+                groups.append(hook.group)
+        return groups
+
+    def _restore(self) -> None:
+        from diffusers.hooks import HookRegistry
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        groups = self._groups()
+        for group in groups:  # weights that went to disk come back from their files
+            if getattr(group, "_is_offloaded_to_disk", False):
+                import safetensors.torch
+
+                saved = safetensors.torch.load_file(group.safetensors_file_path, device="cpu")
+                for tensor, key in group.tensor_to_key.items():
+                    tensor.data = saved[key]
+        registry = HookRegistry.check_if_exists_or_initialize(self.module)
+        for name in _HOOK_NAMES:
+            registry.remove_hook(name, recurse=True)
+        for owner, name, is_param, dev in self._orig:
+            table = owner._parameters if is_param else owner._buffers
+            tensor = table.get(name)
+            if tensor is None:
+                continue
+            data = tensor.data
+            if data.device != dev:
+                data = data.to(dev)
+            elif data.device.type == "cpu" and data.is_pinned():
+                data = data.clone()  # out of diffusers' pinned copies, so that memory can go
+            tensor.data = data
+        self._orig = []
+        if self._disk_dir is not None:
+            shutil.rmtree(self._disk_dir, ignore_errors=True)
+            self._disk_dir = None
+
+    def report_fields(self) -> dict[str, Any]:
+        """Route settings for the report's plan section."""
+        return self.options.as_report()
+
+
+def diffusers_factory(
+    module: nn.Module, preset: str, budget: int | None, device: torch.device, options: dict
+) -> tuple[Preset, DiffusersGroupOffloadEngine]:
+    """The route's factory for ``ddo_blocks.offload(..., route="diffusers")``."""
+    chosen = resolve(ROUTE, preset)
+    if budget is not None:
+        raise ConfigError(
+            f"route 'diffusers' takes no vram_budget (got {budget} bytes): group offloading keeps one group "
+            "(block_level) or one layer (leaf_level) on the device at a time and cannot be bounded; drop "
+            "vram_budget, or use route='linear' to stay within a budget"
+        )
+    opts = check_options(chosen.name, options, device)
+    check_module(module)
+    if getattr(module, "_ddo_offload", None) is not None:
+        raise OffloadStateError(f"{type(module).__name__} is already offloaded by ddo_blocks; remove that first")
+    return chosen, DiffusersGroupOffloadEngine(module, chosen, device, opts)
+
+
+def register() -> None:
+    from ..api import register_route
+
+    register_route(ROUTE, diffusers_factory)
