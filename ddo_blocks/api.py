@@ -160,7 +160,13 @@ def offload(
         raise ConfigError(
             f"{type(module).__name__} has no parameters: there is nothing to offload; use route='off'"
         )
-    chosen, engine = _ENGINES[route](module, preset, budget, dev, dict(options))
+    options = dict(options)
+    loader = options.pop("_loader", None)
+    if loader is not None and route != "linear":
+        _materialize(module, loader)  # other routes start from an ordinary CPU module
+    elif loader is not None:
+        options["_loader"] = loader
+    chosen, engine = _ENGINES[route](module, preset, budget, dev, options)
     engine.attach()
     handle = OffloadHandle(module, engine, route=route, preset=chosen, requested=preset, component=component,
                            vram_budget=budget, device=dev)
@@ -179,14 +185,22 @@ def _no_options(route: str, options: dict) -> None:
         )
 
 
+def _materialize(module: nn.Module, loader: Any) -> None:
+    cpu = torch.device("cpu")
+    for p in module.parameters():
+        if loader.pending(p):
+            loader.materialize(p, cpu)
+
+
 def _linear(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
+    loader = options.pop("_loader", None)
     _no_options("linear", options)
     units, _ = split_units(module)
     streamed_guess = sum(tensor_nbytes(p) for u in units for _, p in u.params)
     chosen = resolve("linear", preset, streamed_bytes=streamed_guess, available_ram=psutil.virtual_memory().available)
     if chosen.host is HostMode.CALLER:
         return chosen, OffEngine(module, dev)
-    return chosen, LinearEngine(module, chosen, budget, dev)
+    return chosen, LinearEngine(module, chosen, budget, dev, loader=loader)
 
 
 def _resident(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:

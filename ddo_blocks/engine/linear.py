@@ -58,8 +58,11 @@ def _streams_for(device: torch.device) -> tuple[Any, Callable[[], int]]:
 class LinearEngine:
     """Streams one component's units through K device slots. Created by ``ddo_blocks.offload``."""
 
-    def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device):
+    def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device,
+                 loader: Any = None):
         self.module = module
+        self.loader = loader
+        """A ``loading.Loader`` when the module was built on the meta device (``from_pretrained``)."""
         self.preset = preset
         self.budget = budget
         self.device = device
@@ -149,13 +152,12 @@ class LinearEngine:
             self._orig_buffers.append((owner, name, buf.device))
             if buf.device != dev:
                 owner._buffers[name] = buf.to(dev)
-        for _, p in self.leftovers:
-            if p.device != dev:
+        params = [p for _, p in self.leftovers] + [p for u in self.resident_units for _, p in u.params]
+        for p in params:
+            if self.loader is not None and self.loader.pending(p):
+                p.data = self.loader.materialize(p, dev)
+            elif p.device != dev:
                 p.data = p.data.to(dev)
-        for u in self.resident_units:
-            for _, p in u.params:
-                if p.device != dev:
-                    p.data = p.data.to(dev)
 
     def _build_slabs(self) -> None:
         if not self.streamed:
@@ -163,7 +165,7 @@ class LinearEngine:
         pin = self.device.type == "cuda" and self.preset.host is HostMode.PINNED_SLABS
         ordinal = self.device.index or 0
         self.slabs = SlabSet(self.streamed, pin=pin, ordinal=ordinal, keep_warm=self.preset.keep_warm)
-        self.slabs.pack()
+        self.slabs.pack(self.loader)
 
     def _build_slots(self) -> None:
         if not self.streamed:

@@ -13,6 +13,7 @@ in place and neither copies nor pins.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -122,7 +123,7 @@ class SlabSet:
             return None
         return [slabs[i] for i in range(len(self.slab_sizes))]
 
-    def pack(self) -> None:
+    def pack(self, loader: Any = None) -> None:
         """Allocates the slabs, copies every streamed tensor in, points the parameters at their
         slab views, and page-locks each slab (pinned presets). One slab at a time, so the extra
         host memory during setup is at most one slab."""
@@ -144,16 +145,21 @@ class SlabSet:
             self.slabs.append(slab)
             jobs: list[tuple[int, int, int]] = []
             moves: list[tuple[int, torch.nn.Parameter, torch.Tensor]] = []
+            reads: list[tuple[Any, torch.Tensor]] = []
             for u in by_slab[s]:
                 uoff = self.placement[u][1]
                 for (_, p), off in zip(self.units[u].params, self.param_offsets[u]):
                     v = _view(base, uoff + off, p.data)
-                    if p.device.type == "cpu" and p.data.is_contiguous():
+                    if loader is not None and loader.pending(p):
+                        reads.append((loader.take(p), v))
+                    elif p.device.type == "cpu" and p.data.is_contiguous():
                         jobs.append((v.data_ptr(), p.data_ptr(), v.numel() * v.element_size()))
                     else:
                         v.copy_(p.data)
                     moves.append((u, p, v))
             _native.copy_host_many(jobs)  # parallel, GIL released
+            if reads:
+                loader.read_many(reads)  # straight from the files, parallel positional reads
             # only now, with the bytes in place, do parameters (and a rollback) see the slab
             for u, p, v in moves:
                 p.data = v

@@ -126,6 +126,30 @@ pub fn copy_host_many(jobs: &[(usize, usize, usize)]) {
     jobs.par_iter().for_each(|&(dst, src, n)| copy_host(dst, src, n));
 }
 
+/// Reads byte ranges of one file straight into host memory: `(file_offset, len, dst)` jobs, in
+/// parallel on the current rayon pool, with positional reads (`pread`), never through a memory map,
+/// so the file's pages are not charged to the process (RSS stays at the destination's size).
+pub fn read_file_into(path: &std::path::Path, jobs: &[(u64, usize, usize)]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const PIECE: usize = 16 << 20;
+    let file = std::fs::File::open(path)?;
+    let pieces: Vec<(u64, usize, usize)> = jobs
+        .iter()
+        .flat_map(|&(off, len, dst)| {
+            (0..len.div_ceil(PIECE)).map(move |i| {
+                let o = i * PIECE;
+                (off + o as u64, PIECE.min(len - o), dst + o)
+            })
+        })
+        .collect();
+    pieces.par_iter().try_for_each(|&(off, len, dst)| {
+        // SAFETY: the caller guarantees `dst` points to `len` writable bytes that stay allocated and
+        // are not read or written by anyone else until this call returns.
+        let buf = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+        file.read_exact_at(buf, off)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +173,23 @@ mod tests {
         copy_host_many(&[(base, a.as_ptr() as usize, 1000), (base + 1000, b.as_ptr() as usize, 3000)]);
         assert!(out[..1000].iter().all(|&x| x == 7));
         assert!(out[1000..].iter().all(|&x| x == 9));
+    }
+
+    #[test]
+    fn reads_file_ranges_into_memory() {
+        let dir = std::env::temp_dir().join(format!("ddo-read-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.bin");
+        let data: Vec<u8> = (0..(40usize << 20)).map(|i| (i % 249) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let mut out = vec![0u8; 20 << 20];
+        let base = out.as_mut_ptr() as usize;
+        read_file_into(&path, &[(5, 1000, base), (1 << 20, (20 << 20) - 1000, base + 1000)]).unwrap();
+        assert_eq!(&out[..1000], &data[5..1005]);
+        assert_eq!(&out[1000..], &data[1 << 20..(1 << 20) + (20 << 20) - 1000]);
+        let err = read_file_into(&path, &[(data.len() as u64 - 10, 100, base)]);
+        assert!(err.is_err(), "reading past the end must fail");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

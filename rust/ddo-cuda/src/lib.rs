@@ -19,5 +19,5 @@ mod transport;
 pub use driver::{device_count, driver_version, init, make_current, unavailable_reason, Stream};
 pub use error::{CudaError, Result};
 pub use event::Event;
-pub use host::{copy_host, copy_host_many, HostBuffer, HostRegistration};
+pub use host::{copy_host, copy_host_many, read_file_into, HostBuffer, HostRegistration};
 pub use transport::{Staging, Target, Transport, TransportStats};

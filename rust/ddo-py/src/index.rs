@@ -60,6 +60,14 @@ impl SafetensorsIndex {
     }
 }
 
+/// Reads `(file_offset, nbytes, dst_address)` ranges of `path` into host memory in parallel, with
+/// positional reads (no memory map), GIL released. A short file raises `CheckpointError`.
+#[pyfunction]
+fn read_file_into(py: Python<'_>, path: std::path::PathBuf, jobs: Vec<(u64, usize, usize)>) -> PyResult<()> {
+    py.detach(|| ddo_cuda::read_file_into(&path, &jobs))
+        .map_err(|e| CheckpointError::new_err(format!("reading {}: {e}", path.display())))
+}
+
 /// Reads a `*.safetensors.index.json`: `{tensor name: shard file name}`.
 #[pyfunction]
 fn read_shard_index(py: Python<'_>, path: std::path::PathBuf) -> PyResult<BTreeMap<String, String>> {
@@ -69,5 +77,6 @@ fn read_shard_index(py: Python<'_>, path: std::path::PathBuf) -> PyResult<BTreeM
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SafetensorsIndex>()?;
     m.add_function(wrap_pyfunction!(read_shard_index, m)?)?;
+    m.add_function(wrap_pyfunction!(read_file_into, m)?)?;
     Ok(())
 }

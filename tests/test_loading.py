@@ -1,0 +1,118 @@
+"""Fast loading from safetensors: exact weights straight into slabs and slots, sharded checkpoints,
+and a clear CheckpointError (naming file and tensor) for every broken checkpoint, before anything
+is allocated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+from safetensors.torch import load_file, save_file
+
+import ddo_blocks
+from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
+
+from .helpers import budgets
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = tiny_flux_transformer(dtype=torch.bfloat16)
+    x = flux_inputs(model)
+    with torch.no_grad():
+        ref = model(**x)[0]
+    root = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(root / "single")
+    model.save_pretrained(root / "sharded", max_shard_size="100KB")
+    return root, model, x, ref
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+@pytest.mark.parametrize("preset", ["one_shot_fast", "low_ram_safe", "warm_process"])
+def test_loaded_model_equals_saved_model(saved, layout, preset):
+    root, model, x, ref = saved
+    if layout == "sharded":
+        assert (root / "sharded" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, root / layout, preset=preset, device="cpu",
+                                        vram_budget=budgets(model)["all_streamed"], progress=False)
+    loaded = handle.module
+    assert loaded.dtype == torch.bfloat16
+    assert handle.setup_bytes_read == sum(p.numel() * p.element_size() for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(loaded(**x)[0], ref)
+    assert handle.report()["plan"]["streamed_units"] == 5
+    handle.remove()
+    ddo_blocks.release_warm_slabs()
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), loaded.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2) and p2.device.type == "cpu"
+
+
+def test_subfolder_and_other_routes(saved, tmp_path):
+    root, model, x, ref = saved
+    for route in ("resident", "off"):
+        handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, root, subfolder="single", route=route,
+                                            device="cpu", progress=False)
+        with torch.no_grad():
+            assert torch.equal(handle.module(**x)[0], ref)
+        handle.remove()
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_truncated_file(saved, tmp_path):
+    root, *_ = saved
+    d = _copy(root / "single", tmp_path / "m")
+    f = d / "diffusion_pytorch_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ddo_blocks.CheckpointError, match="diffusion_pytorch_model.safetensors.*truncated"):
+        ddo_blocks.from_pretrained(FluxTransformer2DModel, d, device="cpu", progress=False)
+
+
+def test_missing_shard(saved, tmp_path):
+    root, *_ = saved
+    d = _copy(root / "sharded", tmp_path / "m")
+    (d / "diffusion_pytorch_model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(ddo_blocks.CheckpointError, match="shard diffusion_pytorch_model-00002-of-00003.safetensors.*missing"):
+        ddo_blocks.from_pretrained(FluxTransformer2DModel, d, device="cpu", progress=False)
+
+
+def _rewrite(d, fn):
+    f = d / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(f)
+    fn(tensors)
+    save_file(tensors, f)
+
+
+def test_shape_mismatch_names_the_tensor(saved, tmp_path):
+    root, *_ = saved
+    d = _copy(root / "single", tmp_path / "m")
+    _rewrite(d, lambda t: t.__setitem__("proj_out.weight", torch.zeros(3, 3, dtype=torch.bfloat16)))
+    with pytest.raises(ddo_blocks.CheckpointError, match=r"'proj_out.weight' has shape \[3, 3\] but the model expects"):
+        ddo_blocks.from_pretrained(FluxTransformer2DModel, d, device="cpu", progress=False)
+
+
+def test_unexpected_and_missing_keys(saved, tmp_path):
+    root, *_ = saved
+    d = _copy(root / "single", tmp_path / "extra")
+    _rewrite(d, lambda t: t.__setitem__("surprise.weight", torch.zeros(2)))
+    with pytest.raises(ddo_blocks.CheckpointError, match="does not have: 'surprise.weight'"):
+        ddo_blocks.from_pretrained(FluxTransformer2DModel, d, device="cpu", progress=False)
+    d = _copy(root / "single", tmp_path / "missing")
+    _rewrite(d, lambda t: t.pop("norm_out.linear.bias"))
+    with pytest.raises(ddo_blocks.CheckpointError, match="lacks tensors the model needs: 'norm_out.linear.bias'"):
+        ddo_blocks.from_pretrained(FluxTransformer2DModel, d, device="cpu", progress=False)
+
+
+def test_not_a_model_directory(tmp_path):
+    with pytest.raises(ddo_blocks.CheckpointError, match="is not a directory"):
+        ddo_blocks.from_pretrained(FluxTransformer2DModel, tmp_path / "nope", device="cpu")
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    with pytest.raises(ddo_blocks.CheckpointError, match="no safetensors weights"):
+        ddo_blocks.from_pretrained(FluxTransformer2DModel, tmp_path, device="cpu")
