@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Self
 
 import psutil
 import torch
@@ -97,7 +98,7 @@ class OffloadHandle:
         if getattr(self.module, _ATTR, None) is self:
             delattr(self.module, _ATTR)
 
-    def __enter__(self) -> OffloadHandle:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

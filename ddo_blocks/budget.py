@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import ConfigError
@@ -25,7 +26,7 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | float | str | None, *, what: str = "vram_budget") -> int | None:
+def parse_bytes(value: float | str | None, *, what: str = "vram_budget") -> int | None:
     """Parses a byte size. ``None`` stays ``None`` (no limit).
 
     Args:
@@ -43,7 +44,7 @@ def parse_bytes(value: int | float | str | None, *, what: str = "vram_budget") -
     if isinstance(value, bool):
         raise ConfigError(f"{what}={value!r} is not a size; pass bytes (int) or a string such as '6GiB'")
     if isinstance(value, (int, float)):
-        if value < 0 or value != value:
+        if value < 0 or math.isnan(value):
             raise ConfigError(f"{what}={value!r} must be a non-negative number of bytes")
         return int(value)
     if isinstance(value, str):
@@ -59,7 +60,7 @@ def parse_bytes(value: int | float | str | None, *, what: str = "vram_budget") -
     raise ConfigError(f"{what} must be an int or a string such as '6GiB', got {type(value).__name__}")
 
 
-def fmt_bytes(n: int | float | None) -> str:
+def fmt_bytes(n: float | None) -> str:
     """Formats bytes for people: ``1.50 GiB``."""
     if n is None:
         return "-"

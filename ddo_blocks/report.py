@@ -74,6 +74,58 @@ class Report:
         return (f"<table><caption><b>{title}</b></caption><thead><tr><th>section</th><th>field</th>"
                 f"<th>value</th></tr></thead><tbody>{cells}</tbody></table>")
 
+    def plot(self, ax: Any = None) -> Any:
+        """Draws what was measured: per call, the compute time and the copy time at the link's
+        bandwidth (a timeline, where the report has per-call data: ``timeline``, written by the DDO
+        blocks for the linear route), and the memory figures that were measured. Needs matplotlib
+        (imported here, not with the package).
+
+        Args:
+            ax: two matplotlib axes to draw into; default: a new figure.
+
+        Returns:
+            The matplotlib ``Figure``.
+        """
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("Report.plot() needs matplotlib: pip install matplotlib") from exc
+        d = self.data
+        if ax is None:
+            fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 3.2), width_ratios=(3, 2))
+        else:
+            ax_time, ax_mem = ax
+            fig = ax_time.figure
+        calls = d.get("timeline") or []
+        if calls:
+            t = 0.0
+            for i, c in enumerate(calls):
+                ax_time.broken_barh([(t, c["seconds"])], (1.1, 0.8), color="tab:blue",
+                                    label="call (measured)" if i == 0 else None)
+                if c.get("copy_s"):
+                    ax_time.broken_barh([(t, c["copy_s"])], (0.1, 0.8), color="tab:orange",
+                                        label="copies at link GB/s" if i == 0 else None)
+                t += c["seconds"]
+            ax_time.set_yticks([0.5, 1.5], ["copy", "compute"])
+            ax_time.set_xlabel("seconds")
+            ax_time.legend(loc="upper right", fontsize="small")
+        else:
+            runtime = {k: v for k, v in d.get("runtime", {}).items() if k.endswith("_s") and v is not None}
+            setup = d.get("setup", {}).get("seconds")
+            if setup is not None:
+                runtime = {"setup_s": setup, **runtime}
+            ax_time.barh(list(runtime), list(runtime.values()), color="tab:blue")
+            ax_time.set_xlabel("seconds")
+        ax_time.set_title(f"{d['component']}: {d['route']}/{d['preset']} on {d['device']}")
+        mem = {k: v for k, v in {**d.get("plan", {}), **d.get("memory", {})}.items()
+               if v is not None and (k.endswith("_bytes") or k.startswith(("gpu_peak", "host_")))
+               and isinstance(v, (int, float)) and k != "h2d_total_bytes"}
+        ax_mem.barh(list(mem), [v / 2**20 for v in mem.values()], color="tab:green")
+        ax_mem.set_xlabel("MiB")
+        ax_mem.set_title("memory")
+        fig.tight_layout()
+        return fig
+
 
 def _fmt(key: str, value: Any) -> str:
     if value is None:

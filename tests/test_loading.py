@@ -50,7 +50,7 @@ def test_loaded_model_equals_saved_model(saved, layout, preset):
 
 
 def test_subfolder_and_other_routes(saved, tmp_path):
-    root, model, x, ref = saved
+    root, _model, x, ref = saved
     for route in ("resident", "off"):
         handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, root, subfolder="single", route=route,
                                             device="cpu", progress=False)

@@ -64,7 +64,7 @@ def test_corrupt_header_is_a_clear_error(tmp_path):
 
 
 def test_replaced_file_is_detected(st_file):
-    path, tensors = st_file
+    path, _tensors = st_file
     idx = _native.SafetensorsIndex(path)
     save_file({"a": torch.zeros(100)}, str(path))
     with pytest.raises(ddo_blocks.CheckpointError):

@@ -38,9 +38,12 @@ fn load_and_init() -> Result<()> {
     // cudarc panics when a symbol is missing from an old driver: turn that into an error.
     // SAFETY: cuInit(0) has no preconditions; it is idempotent.
     let code = std::panic::catch_unwind(|| unsafe { sys::cuInit(0) }).map_err(|_| {
-        CudaError::NotAvailable("the CUDA driver library lacks cuInit; the driver is too old or broken".into())
+        CudaError::NotAvailable(
+            "the CUDA driver library lacks cuInit; the driver is too old or broken".into(),
+        )
     })?;
-    check(code, "cuInit", "initialising the driver").map_err(|e| CudaError::NotAvailable(e.to_string()))
+    check(code, "cuInit", "initialising the driver")
+        .map_err(|e| CudaError::NotAvailable(e.to_string()))
 }
 
 /// Why CUDA cannot be used here, or `None` when it can.
@@ -53,7 +56,11 @@ pub fn device_count() -> Result<usize> {
     init()?;
     let mut n: std::ffi::c_int = 0;
     // SAFETY: `n` is a valid out-pointer for the duration of the call.
-    check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount", "counting devices")?;
+    check(
+        unsafe { sys::cuDeviceGetCount(&mut n) },
+        "cuDeviceGetCount",
+        "counting devices",
+    )?;
     Ok(n.max(0) as usize)
 }
 
@@ -62,7 +69,11 @@ pub fn driver_version() -> Result<i32> {
     init()?;
     let mut v: std::ffi::c_int = 0;
     // SAFETY: `v` is a valid out-pointer for the duration of the call.
-    check(unsafe { sys::cuDriverGetVersion(&mut v) }, "cuDriverGetVersion", "reading the driver version")?;
+    check(
+        unsafe { sys::cuDriverGetVersion(&mut v) },
+        "cuDriverGetVersion",
+        "reading the driver version",
+    )?;
     Ok(v)
 }
 
@@ -72,19 +83,29 @@ pub fn make_current(ordinal: usize) -> Result<()> {
     init()?;
     let ctx = primary_context(ordinal)?;
     // SAFETY: `ctx` is a retained primary context that is never released while the process runs.
-    check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) }, "cuCtxSetCurrent", "binding the primary context")
+    check(
+        unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) },
+        "cuCtxSetCurrent",
+        "binding the primary context",
+    )
 }
 
 fn primary_context(ordinal: usize) -> Result<usize> {
     let map = PRIMARY.get_or_init(|| Mutex::new(HashMap::new()));
-    let mut map = map.lock().map_err(|_| CudaError::InvalidArgument("context table poisoned".into()))?;
+    let mut map = map
+        .lock()
+        .map_err(|_| CudaError::InvalidArgument("context table poisoned".into()))?;
     if let Some(&ctx) = map.get(&ordinal) {
         return Ok(ctx);
     }
     let count = {
         let mut n: std::ffi::c_int = 0;
         // SAFETY: valid out-pointer.
-        check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount", "counting devices")?;
+        check(
+            unsafe { sys::cuDeviceGetCount(&mut n) },
+            "cuDeviceGetCount",
+            "counting devices",
+        )?;
         n.max(0) as usize
     };
     if ordinal >= count {
@@ -94,7 +115,11 @@ fn primary_context(ordinal: usize) -> Result<usize> {
     }
     let mut dev: sys::CUdevice = 0;
     // SAFETY: valid out-pointer; ordinal checked above.
-    check(unsafe { sys::cuDeviceGet(&mut dev, ordinal as std::ffi::c_int) }, "cuDeviceGet", "opening the device")?;
+    check(
+        unsafe { sys::cuDeviceGet(&mut dev, ordinal as std::ffi::c_int) },
+        "cuDeviceGet",
+        "opening the device",
+    )?;
     let mut ctx: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: valid out-pointer; retaining the primary context is reference counted and shares
     // the context PyTorch's runtime uses.

@@ -22,20 +22,32 @@ impl Event {
         let mut ev: sys::CUevent = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint;
         // SAFETY: valid out-pointer; a context is current (callers run make_current first).
-        check(unsafe { sys::cuEventCreate(&mut ev, flags) }, "cuEventCreate", "creating an event")?;
+        check(
+            unsafe { sys::cuEventCreate(&mut ev, flags) },
+            "cuEventCreate",
+            "creating an event",
+        )?;
         Ok(Self(ev))
     }
 
     /// Records the event on `stream`: it completes when the work queued so far on it completes.
     pub fn record(&self, stream: Stream) -> Result<()> {
         // SAFETY: the event is live; the stream handle comes from PyTorch or is the default stream.
-        check(unsafe { sys::cuEventRecord(self.0, stream.raw()) }, "cuEventRecord", "recording an event")
+        check(
+            unsafe { sys::cuEventRecord(self.0, stream.raw()) },
+            "cuEventRecord",
+            "recording an event",
+        )
     }
 
     /// Makes `stream` wait (on the GPU, the host does not block) for the last record of this event.
     pub fn wait_on(&self, stream: Stream) -> Result<()> {
         // SAFETY: as for `record`.
-        check(unsafe { sys::cuStreamWaitEvent(stream.raw(), self.0, 0) }, "cuStreamWaitEvent", "ordering streams")
+        check(
+            unsafe { sys::cuStreamWaitEvent(stream.raw(), self.0, 0) },
+            "cuStreamWaitEvent",
+            "ordering streams",
+        )
     }
 
     /// Whether the last record has completed (an event never recorded counts as complete).
@@ -51,7 +63,11 @@ impl Event {
     /// Blocks the calling host thread until the last record has completed.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: the event is live.
-        check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize", "waiting for an event")
+        check(
+            unsafe { sys::cuEventSynchronize(self.0) },
+            "cuEventSynchronize",
+            "waiting for an event",
+        )
     }
 }
 

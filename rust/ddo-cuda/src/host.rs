@@ -35,7 +35,11 @@ impl HostRegistration {
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
         // SAFETY: the caller guarantees [ptr, ptr+len) is allocated host memory that outlives `Self`.
         let code = unsafe { sys::cuMemHostRegister_v2(ptr as *mut std::ffi::c_void, len, flags) };
-        check(code, "cuMemHostRegister", &format!("page-locking {len} bytes of host memory"))?;
+        check(
+            code,
+            "cuMemHostRegister",
+            &format!("page-locking {len} bytes of host memory"),
+        )?;
         Ok(Self { ptr, len })
     }
 
@@ -73,10 +77,14 @@ pub struct HostBuffer {
 
 impl HostBuffer {
     pub fn new(len: usize, pinned: bool) -> Result<Self> {
-        let map = memmap2::MmapMut::map_anon(len.max(1))
-            .map_err(|e| CudaError::OutOfMemory(format!("mapping a {len}-byte host buffer: {e}")))?;
+        let map = memmap2::MmapMut::map_anon(len.max(1)).map_err(|e| {
+            CudaError::OutOfMemory(format!("mapping a {len}-byte host buffer: {e}"))
+        })?;
         let registration = if pinned {
-            Some(HostRegistration::register(map.as_ptr() as usize, map.len())?)
+            Some(HostRegistration::register(
+                map.as_ptr() as usize,
+                map.len(),
+            )?)
         } else {
             None
         };
@@ -117,13 +125,16 @@ pub fn copy_host(dst: usize, src: usize, n: usize) {
         let off = i * chunk;
         let len = chunk.min(n - off);
         // SAFETY: each chunk is a disjoint sub-range of the caller's live, disjoint ranges.
-        unsafe { std::ptr::copy_nonoverlapping((src + off) as *const u8, (dst + off) as *mut u8, len) };
+        unsafe {
+            std::ptr::copy_nonoverlapping((src + off) as *const u8, (dst + off) as *mut u8, len)
+        };
     });
 }
 
 /// Runs many `(dst, src, n)` host copies in parallel (one rayon task per copy, large copies split).
 pub fn copy_host_many(jobs: &[(usize, usize, usize)]) {
-    jobs.par_iter().for_each(|&(dst, src, n)| copy_host(dst, src, n));
+    jobs.par_iter()
+        .for_each(|&(dst, src, n)| copy_host(dst, src, n));
 }
 
 /// Reads byte ranges of one file straight into host memory: `(file_offset, len, dst)` jobs, in
@@ -156,7 +167,14 @@ mod tests {
 
     #[test]
     fn copies_small_and_large_ranges_exactly() {
-        for n in [0usize, 1, 255, SERIAL_MAX, SERIAL_MAX + 1, MAX_CHUNK * 3 + 17] {
+        for n in [
+            0usize,
+            1,
+            255,
+            SERIAL_MAX,
+            SERIAL_MAX + 1,
+            MAX_CHUNK * 3 + 17,
+        ] {
             let src: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
             let mut dst = vec![0u8; n];
             copy_host(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n);
@@ -170,7 +188,10 @@ mod tests {
         let b: Vec<u8> = vec![9; 3000];
         let mut out = vec![0u8; 4000];
         let base = out.as_mut_ptr() as usize;
-        copy_host_many(&[(base, a.as_ptr() as usize, 1000), (base + 1000, b.as_ptr() as usize, 3000)]);
+        copy_host_many(&[
+            (base, a.as_ptr() as usize, 1000),
+            (base + 1000, b.as_ptr() as usize, 3000),
+        ]);
         assert!(out[..1000].iter().all(|&x| x == 7));
         assert!(out[1000..].iter().all(|&x| x == 9));
     }
@@ -184,7 +205,11 @@ mod tests {
         std::fs::write(&path, &data).unwrap();
         let mut out = vec![0u8; 20 << 20];
         let base = out.as_mut_ptr() as usize;
-        read_file_into(&path, &[(5, 1000, base), (1 << 20, (20 << 20) - 1000, base + 1000)]).unwrap();
+        read_file_into(
+            &path,
+            &[(5, 1000, base), (1 << 20, (20 << 20) - 1000, base + 1000)],
+        )
+        .unwrap();
         assert_eq!(&out[..1000], &data[5..1005]);
         assert_eq!(&out[1000..], &data[1 << 20..(1 << 20) + (20 << 20) - 1000]);
         let err = read_file_into(&path, &[(data.len() as u64 - 10, 100, base)]);

@@ -54,7 +54,11 @@ struct Ring {
 impl Stager {
     /// Allocates the ring on the calling thread (whose current context is the target's) and starts
     /// the worker thread.
-    pub fn start(target: Target, events: Option<Arc<SlotEvents>>, staging: Staging) -> Result<Self> {
+    pub fn start(
+        target: Target,
+        events: Option<Arc<SlotEvents>>,
+        staging: Staging,
+    ) -> Result<Self> {
         if staging.buffers == 0 || staging.buffer_bytes == 0 {
             return Err(CudaError::InvalidArgument(format!(
                 "a staging ring needs at least one buffer of at least one byte, got {} x {} bytes",
@@ -65,12 +69,19 @@ impl Stager {
         let mut buffers = Vec::with_capacity(staging.buffers);
         let mut uploaded = Vec::new();
         for _ in 0..staging.buffers {
-            buffers.push(HostBuffer::new(staging.buffer_bytes, cuda && staging.pinned)?);
+            buffers.push(HostBuffer::new(
+                staging.buffer_bytes,
+                cuda && staging.pinned,
+            )?);
             if cuda {
                 uploaded.push(Event::new()?);
             }
         }
-        let ring = Ring { buffers, uploaded, next: 0 };
+        let ring = Ring {
+            buffers,
+            uploaded,
+            next: 0,
+        };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(staging.threads.max(1))
             .thread_name(|i| format!("ddo-stage-{i}"))
@@ -83,13 +94,22 @@ impl Stager {
             .name("ddo-stager".into())
             .spawn(move || worker(target, events, ring, pool, rx, worker_shared))
             .map_err(|e| CudaError::Staging(format!("cannot start the staging thread: {e}")))?;
-        Ok(Self { tx: Some(tx), shared, thread: Some(thread), submitted: 0 })
+        Ok(Self {
+            tx: Some(tx),
+            shared,
+            thread: Some(thread),
+            submitted: 0,
+        })
     }
 
     /// Queues a job and returns its sequence number (1, 2, ...).
     pub fn submit(&mut self, job: Job) -> Result<u64> {
-        let tx = self.tx.as_ref().ok_or_else(|| CudaError::Staging("stager is shut down".into()))?;
-        tx.send(job).map_err(|_| CudaError::Staging("the staging thread has exited".into()))?;
+        let tx = self
+            .tx
+            .as_ref()
+            .ok_or_else(|| CudaError::Staging("stager is shut down".into()))?;
+        tx.send(job)
+            .map_err(|_| CudaError::Staging("the staging thread has exited".into()))?;
         self.submitted += 1;
         Ok(self.submitted)
     }
@@ -97,9 +117,17 @@ impl Stager {
     /// Blocks until job `seq` has been fully queued on the copy stream (CUDA) or copied (CPU).
     /// Returns the first error the worker met, if any.
     pub fn wait(&self, seq: u64) -> Result<()> {
-        let mut state = self.shared.state.lock().map_err(|_| CudaError::Staging("state poisoned".into()))?;
+        let mut state = self
+            .shared
+            .state
+            .lock()
+            .map_err(|_| CudaError::Staging("state poisoned".into()))?;
         while state.done < seq && state.error.is_none() {
-            state = self.shared.cv.wait(state).map_err(|_| CudaError::Staging("state poisoned".into()))?;
+            state = self
+                .shared
+                .cv
+                .wait(state)
+                .map_err(|_| CudaError::Staging("state poisoned".into()))?;
         }
         match &state.error {
             Some(e) => Err(e.clone()),
@@ -163,7 +191,13 @@ fn worker(
     }
 }
 
-fn run_job(target: Target, events: Option<&SlotEvents>, ring: &mut Ring, pool: &rayon::ThreadPool, job: Job) -> Result<()> {
+fn run_job(
+    target: Target,
+    events: Option<&SlotEvents>,
+    ring: &mut Ring,
+    pool: &rayon::ThreadPool,
+    job: Job,
+) -> Result<()> {
     let stream = match target {
         Target::Cuda { copy_stream, .. } => Some(copy_stream),
         Target::Cpu => None,

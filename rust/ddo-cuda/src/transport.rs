@@ -68,7 +68,10 @@ impl Transport {
             Target::Cuda { ordinal, .. } => {
                 make_current(ordinal)?;
                 let mk = || (0..slots).map(|_| Event::new()).collect::<Result<Vec<_>>>();
-                Some(Arc::new(SlotEvents { arrived: mk()?, consumed: mk()? }))
+                Some(Arc::new(SlotEvents {
+                    arrived: mk()?,
+                    consumed: mk()?,
+                }))
             }
             Target::Cpu => None,
         };
@@ -76,7 +79,14 @@ impl Transport {
             Some(cfg) => Some(Stager::start(target, events.clone(), cfg)?),
             None => None,
         };
-        Ok(Self { target, slots, events, stager, pending: vec![0; slots], stats: TransportStats::default() })
+        Ok(Self {
+            target,
+            slots,
+            events,
+            stager,
+            pending: vec![0; slots],
+            stats: TransportStats::default(),
+        })
     }
 
     pub fn slots(&self) -> usize {
@@ -89,7 +99,10 @@ impl Transport {
 
     fn check_slot(&self, slot: usize) -> Result<()> {
         if slot >= self.slots {
-            return Err(CudaError::InvalidArgument(format!("slot {slot} out of range (transport has {})", self.slots)));
+            return Err(CudaError::InvalidArgument(format!(
+                "slot {slot} out of range (transport has {})",
+                self.slots
+            )));
         }
         Ok(())
     }
@@ -158,7 +171,11 @@ impl Transport {
         if let Target::Cuda { copy_stream, .. } = self.target {
             self.bind()?;
             // SAFETY: the stream handle is owned by PyTorch and alive while the transport is.
-            check(unsafe { sys::cuStreamSynchronize(copy_stream.raw()) }, "cuStreamSynchronize", "draining copies")?;
+            check(
+                unsafe { sys::cuStreamSynchronize(copy_stream.raw()) },
+                "cuStreamSynchronize",
+                "draining copies",
+            )?;
         }
         Ok(())
     }
@@ -168,8 +185,19 @@ impl Transport {
 pub(crate) fn h2d_async(dst: usize, src: usize, n: usize, stream: Stream) -> Result<()> {
     // SAFETY: the caller guarantees `src` is `n` live host bytes (page-locked for a truly async copy)
     // and `dst` is `n` bytes of device memory that stay allocated until the copy completes.
-    let code = unsafe { sys::cuMemcpyHtoDAsync_v2(dst as sys::CUdeviceptr, src as *const std::ffi::c_void, n, stream.raw()) };
-    check(code, "cuMemcpyHtoDAsync", &format!("copying {n} bytes to the GPU"))
+    let code = unsafe {
+        sys::cuMemcpyHtoDAsync_v2(
+            dst as sys::CUdeviceptr,
+            src as *const std::ffi::c_void,
+            n,
+            stream.raw(),
+        )
+    };
+    check(
+        code,
+        "cuMemcpyHtoDAsync",
+        &format!("copying {n} bytes to the GPU"),
+    )
 }
 
 #[cfg(test)]
@@ -178,11 +206,19 @@ mod tests {
 
     fn roundtrip(staging: Option<Staging>) {
         let mut t = Transport::new(Target::Cpu, 2, staging).unwrap();
-        let srcs: Vec<Vec<u8>> = (0..5).map(|u| (0..100_003).map(|i| ((i + u * 7) % 253) as u8).collect()).collect();
+        let srcs: Vec<Vec<u8>> = (0..5)
+            .map(|u| (0..100_003).map(|i| ((i + u * 7) % 253) as u8).collect())
+            .collect();
         let mut slots = vec![vec![0u8; 100_003]; 2];
         for (u, src) in srcs.iter().enumerate() {
             let s = u % 2;
-            t.fetch(s, slots[s].as_mut_ptr() as usize, src.as_ptr() as usize, src.len()).unwrap();
+            t.fetch(
+                s,
+                slots[s].as_mut_ptr() as usize,
+                src.as_ptr() as usize,
+                src.len(),
+            )
+            .unwrap();
             t.acquire(s, Stream(0)).unwrap();
             assert_eq!(&slots[s], src, "unit {u}");
             t.release(s, Stream(0)).unwrap();
@@ -199,18 +235,35 @@ mod tests {
 
     #[test]
     fn cpu_staged_copies_pass_through_a_small_ring() {
-        roundtrip(Some(Staging { buffers: 3, buffer_bytes: 4096, threads: 2, pinned: false }));
+        roundtrip(Some(Staging {
+            buffers: 3,
+            buffer_bytes: 4096,
+            threads: 2,
+            pinned: false,
+        }));
     }
 
     #[test]
     fn bad_slot_is_an_error() {
         let mut t = Transport::new(Target::Cpu, 2, None).unwrap();
-        assert!(matches!(t.acquire(5, Stream(0)), Err(CudaError::InvalidArgument(_))));
+        assert!(matches!(
+            t.acquire(5, Stream(0)),
+            Err(CudaError::InvalidArgument(_))
+        ));
     }
 
     #[test]
     fn empty_staging_ring_is_rejected() {
-        let err = Transport::new(Target::Cpu, 2, Some(Staging { buffers: 0, buffer_bytes: 1, threads: 1, pinned: false }));
+        let err = Transport::new(
+            Target::Cpu,
+            2,
+            Some(Staging {
+                buffers: 0,
+                buffer_bytes: 1,
+                threads: 1,
+                pinned: false,
+            }),
+        );
         assert!(err.is_err());
     }
 
@@ -219,7 +272,16 @@ mod tests {
         if crate::init().is_ok() {
             return; // a driver is present: nothing to check here
         }
-        let err = Transport::new(Target::Cuda { ordinal: 0, copy_stream: Stream(0) }, 2, None).err().unwrap();
+        let err = Transport::new(
+            Target::Cuda {
+                ordinal: 0,
+                copy_stream: Stream(0),
+            },
+            2,
+            None,
+        )
+        .err()
+        .unwrap();
         assert!(err.to_string().contains("CUDA is not available"), "{err}");
     }
 }

@@ -6,14 +6,49 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-create_exception!(_native, DdoError, PyException, "Base class of every ddo_blocks error.");
-create_exception!(_native, ConfigError, DdoError, "An unknown route, preset, option or a malformed value.");
-create_exception!(_native, PlanError, DdoError, "The planner cannot place the component as asked.");
-create_exception!(_native, BudgetError, PlanError, "The VRAM (or RAM) budget cannot hold what the route needs.");
+create_exception!(
+    _native,
+    DdoError,
+    PyException,
+    "Base class of every ddo_blocks error."
+);
+create_exception!(
+    _native,
+    ConfigError,
+    DdoError,
+    "An unknown route, preset, option or a malformed value."
+);
+create_exception!(
+    _native,
+    PlanError,
+    DdoError,
+    "The planner cannot place the component as asked."
+);
+create_exception!(
+    _native,
+    BudgetError,
+    PlanError,
+    "The VRAM (or RAM) budget cannot hold what the route needs."
+);
 create_exception!(_native, CudaError, DdoError, "A CUDA driver call failed.");
-create_exception!(_native, CudaNotAvailableError, CudaError, "No usable CUDA driver or device.");
-create_exception!(_native, OffloadMemoryError, CudaError, "Out of GPU or page-locked host memory during setup.");
-create_exception!(_native, CheckpointError, DdoError, "A safetensors file or index is missing, truncated, corrupt or does not match the model.");
+create_exception!(
+    _native,
+    CudaNotAvailableError,
+    CudaError,
+    "No usable CUDA driver or device."
+);
+create_exception!(
+    _native,
+    OffloadMemoryError,
+    CudaError,
+    "Out of GPU or page-locked host memory during setup."
+);
+create_exception!(
+    _native,
+    CheckpointError,
+    DdoError,
+    "A safetensors file or index is missing, truncated, corrupt or does not match the model."
+);
 create_exception!(_native, OffloadStateError, DdoError, "An operation that the offload's current state does not allow (offloading twice, removing twice).");
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -23,7 +58,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PlanError", py.get_type::<PlanError>())?;
     m.add("BudgetError", py.get_type::<BudgetError>())?;
     m.add("CudaError", py.get_type::<CudaError>())?;
-    m.add("CudaNotAvailableError", py.get_type::<CudaNotAvailableError>())?;
+    m.add(
+        "CudaNotAvailableError",
+        py.get_type::<CudaNotAvailableError>(),
+    )?;
     m.add("OffloadMemoryError", py.get_type::<OffloadMemoryError>())?;
     m.add("CheckpointError", py.get_type::<CheckpointError>())?;
     m.add("OffloadStateError", py.get_type::<OffloadStateError>())?;
@@ -33,7 +71,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 pub(crate) fn core_err(e: CoreError) -> PyErr {
     let msg = e.to_string();
     match e {
-        CoreError::Checkpoint { .. } | CoreError::ShardIndex { .. } | CoreError::Io { .. } => CheckpointError::new_err(msg),
+        CoreError::Checkpoint { .. } | CoreError::ShardIndex { .. } | CoreError::Io { .. } => {
+            CheckpointError::new_err(msg)
+        }
         CoreError::BudgetTooSmall { .. } => BudgetError::new_err(msg),
         CoreError::InvalidPlanRequest(_) => PlanError::new_err(msg),
     }

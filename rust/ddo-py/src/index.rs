@@ -17,7 +17,9 @@ impl SafetensorsIndex {
     /// Opens and validates `path`; a truncated or corrupt file raises `CheckpointError`.
     #[new]
     fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
-        let inner = py.detach(|| ddo_core::SafetensorsIndex::open(&path)).map_err(core_err)?;
+        let inner = py
+            .detach(|| ddo_core::SafetensorsIndex::open(&path))
+            .map_err(core_err)?;
         Ok(Self { inner })
     }
 
@@ -26,7 +28,15 @@ impl SafetensorsIndex {
         self.inner
             .tensors()
             .iter()
-            .map(|t| (t.name.clone(), t.dtype.clone(), t.shape.clone(), t.offset, t.nbytes))
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    t.dtype.clone(),
+                    t.shape.clone(),
+                    t.offset,
+                    t.nbytes,
+                )
+            })
             .collect()
     }
 
@@ -52,7 +62,10 @@ impl SafetensorsIndex {
     /// Copies tensor `name`'s bytes to host address `dst` (which must hold them), GIL released.
     fn read_into(&self, py: Python<'_>, name: &str, dst: usize) -> PyResult<u64> {
         let data = self.inner.data(name).ok_or_else(|| {
-            CheckpointError::new_err(format!("tensor {name:?} is not in {}", self.inner.path().display()))
+            CheckpointError::new_err(format!(
+                "tensor {name:?} is not in {}",
+                self.inner.path().display()
+            ))
         })?;
         let (src, n) = (data.as_ptr() as usize, data.len());
         py.detach(|| ddo_cuda::copy_host(dst, src, n));
@@ -63,15 +76,23 @@ impl SafetensorsIndex {
 /// Reads `(file_offset, nbytes, dst_address)` ranges of `path` into host memory in parallel, with
 /// positional reads (no memory map), GIL released. A short file raises `CheckpointError`.
 #[pyfunction]
-fn read_file_into(py: Python<'_>, path: std::path::PathBuf, jobs: Vec<(u64, usize, usize)>) -> PyResult<()> {
+fn read_file_into(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    jobs: Vec<(u64, usize, usize)>,
+) -> PyResult<()> {
     py.detach(|| ddo_cuda::read_file_into(&path, &jobs))
         .map_err(|e| CheckpointError::new_err(format!("reading {}: {e}", path.display())))
 }
 
 /// Reads a `*.safetensors.index.json`: `{tensor name: shard file name}`.
 #[pyfunction]
-fn read_shard_index(py: Python<'_>, path: std::path::PathBuf) -> PyResult<BTreeMap<String, String>> {
-    py.detach(|| ddo_core::read_shard_index(&path)).map_err(core_err)
+fn read_shard_index(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+) -> PyResult<BTreeMap<String, String>> {
+    py.detach(|| ddo_core::read_shard_index(&path))
+        .map_err(core_err)
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -64,8 +64,20 @@ fn simulate(
     link_bytes_per_s: f64,
     passes: usize,
 ) -> (f64, f64, f64, f64) {
-    let SimResult { step_s, first_pass_s, compute_wait_s, link_busy_s, .. } =
-        ddo_core::simulate(&unit_bytes, &unit_compute_s, &resident, slots, link_bytes_per_s, passes);
+    let SimResult {
+        step_s,
+        first_pass_s,
+        compute_wait_s,
+        link_busy_s,
+        ..
+    } = ddo_core::simulate(
+        &unit_bytes,
+        &unit_compute_s,
+        &resident,
+        slots,
+        link_bytes_per_s,
+        passes,
+    );
     (step_s, first_pass_s, compute_wait_s, link_busy_s)
 }
 
@@ -80,7 +92,11 @@ fn layout_unit(tensor_bytes: Vec<u64>) -> (Vec<u64>, u64) {
 #[pyfunction]
 fn layout_slabs(unit_bytes: Vec<u64>, max_slab_bytes: u64) -> (Vec<u64>, Vec<(usize, u64, u64)>) {
     let l = ddo_core::layout_slabs(&unit_bytes, max_slab_bytes);
-    let placements = l.placements.iter().map(|p| (p.slab, p.offset, p.nbytes)).collect();
+    let placements = l
+        .placements
+        .iter()
+        .map(|p| (p.slab, p.offset, p.nbytes))
+        .collect();
     (l.slabs, placements)
 }
 

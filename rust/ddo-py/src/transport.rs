@@ -41,14 +41,24 @@ struct HostRegistration {
 #[pymethods]
 impl HostRegistration {
     #[new]
-    fn new(py: Python<'_>, owner: Py<PyAny>, ptr: usize, nbytes: usize, device: usize) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        owner: Py<PyAny>,
+        ptr: usize,
+        nbytes: usize,
+        device: usize,
+    ) -> PyResult<Self> {
         let inner = py
             .detach(|| {
                 ddo_cuda::make_current(device)?;
                 ddo_cuda::HostRegistration::register(ptr, nbytes)
             })
             .map_err(cuda_err)?;
-        Ok(Self { inner: Some(inner), owner: Some(owner), nbytes })
+        Ok(Self {
+            inner: Some(inner),
+            owner: Some(owner),
+            nbytes,
+        })
     }
 
     #[getter]
@@ -77,7 +87,9 @@ struct Transport {
 
 impl Transport {
     fn get(&mut self) -> PyResult<&mut ddo_cuda::Transport> {
-        self.inner.as_mut().ok_or_else(|| ConfigError::new_err("the transport was closed"))
+        self.inner
+            .as_mut()
+            .ok_or_else(|| ConfigError::new_err("the transport was closed"))
     }
 }
 
@@ -96,31 +108,53 @@ impl Transport {
     ) -> PyResult<Self> {
         let target = match device {
             "cpu" => Target::Cpu,
-            "cuda" => Target::Cuda { ordinal, copy_stream: Stream(copy_stream) },
-            other => return Err(ConfigError::new_err(format!("unknown transport device {other:?}; use \"cpu\" or \"cuda\""))),
+            "cuda" => Target::Cuda {
+                ordinal,
+                copy_stream: Stream(copy_stream),
+            },
+            other => {
+                return Err(ConfigError::new_err(format!(
+                    "unknown transport device {other:?}; use \"cpu\" or \"cuda\""
+                )))
+            }
         };
-        let staging = staging.map(|(buffers, buffer_bytes, threads, pinned)| ddo_cuda::Staging {
-            buffers,
-            buffer_bytes,
-            threads,
-            pinned,
-        });
-        let inner = py.detach(|| ddo_cuda::Transport::new(target, slots, staging)).map_err(cuda_err)?;
+        let staging = staging.map(
+            |(buffers, buffer_bytes, threads, pinned)| ddo_cuda::Staging {
+                buffers,
+                buffer_bytes,
+                threads,
+                pinned,
+            },
+        );
+        let inner = py
+            .detach(|| ddo_cuda::Transport::new(target, slots, staging))
+            .map_err(cuda_err)?;
         Ok(Self { inner: Some(inner) })
     }
 
-    fn fetch(&mut self, py: Python<'_>, slot: usize, dst: usize, src: usize, nbytes: usize) -> PyResult<()> {
+    fn fetch(
+        &mut self,
+        py: Python<'_>,
+        slot: usize,
+        dst: usize,
+        src: usize,
+        nbytes: usize,
+    ) -> PyResult<()> {
         let t = self.get()?;
-        py.detach(|| t.fetch(slot, dst, src, nbytes)).map_err(cuda_err)
+        py.detach(|| t.fetch(slot, dst, src, nbytes))
+            .map_err(cuda_err)
     }
 
     fn acquire(&mut self, py: Python<'_>, slot: usize, compute_stream: u64) -> PyResult<()> {
         let t = self.get()?;
-        py.detach(|| t.acquire(slot, Stream(compute_stream))).map_err(cuda_err)
+        py.detach(|| t.acquire(slot, Stream(compute_stream)))
+            .map_err(cuda_err)
     }
 
     fn release(&mut self, slot: usize, compute_stream: u64) -> PyResult<()> {
-        self.get()?.release(slot, Stream(compute_stream)).map_err(cuda_err)
+        self.get()?
+            .release(slot, Stream(compute_stream))
+            .map_err(cuda_err)
     }
 
     fn drain(&mut self, py: Python<'_>) -> PyResult<()> {
