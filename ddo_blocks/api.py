@@ -181,8 +181,8 @@ EngineFactory = Callable[[nn.Module, str, "int | None", torch.device, dict], "tu
 def _no_options(route: str, options: dict) -> None:
     if options:
         raise ConfigError(
-            f"route {route!r} takes no options, got {', '.join(sorted(options))}; "
-            "pass route, preset, vram_budget and device only"
+            f"route {route!r} does not take {', '.join(sorted(options))}; "
+            + ("its only option is units='auto'|'block'|'child'" if route == "linear" else "it takes no options")
         )
 
 
@@ -195,13 +195,14 @@ def _materialize(module: nn.Module, loader: Any) -> None:
 
 def _linear(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
     loader = options.pop("_loader", None)
+    units_opt = options.pop("units", "auto")
     _no_options("linear", options)
     units, _ = split_units(module)
     streamed_guess = sum(tensor_nbytes(p) for u in units for _, p in u.params)
     chosen = resolve("linear", preset, streamed_bytes=streamed_guess, available_ram=psutil.virtual_memory().available)
     if chosen.host is HostMode.CALLER:
         return chosen, OffEngine(module, dev)
-    return chosen, LinearEngine(module, chosen, budget, dev, loader=loader)
+    return chosen, LinearEngine(module, chosen, budget, dev, loader=loader, units=units_opt)
 
 
 def _resident(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:

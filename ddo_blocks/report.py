@@ -173,6 +173,7 @@ def build_report(handle: OffloadHandle) -> Report:
         slabs = engine.slabs
         pinned = slabs.pinned_bytes if slabs is not None else 0
         plan.update(
+            unit_granularity=engine.granularity,
             units=len(engine.units),
             resident_units=len(engine.resident_units),
             streamed_units=len(engine.streamed),

@@ -39,10 +39,25 @@ def _is_block_list(m: nn.Module) -> bool:
     return isinstance(m, (nn.ModuleList, nn.Sequential)) and sum(_owns_params(c) for c in m.children()) >= 2
 
 
-def find_unit_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The blocks of every repeated block list, outermost lists only, in definition order; else the
-    leaf modules that own parameters."""
+GRANULARITIES = ("block", "child")
+"""``block``: one unit per block of a block list. ``child``: one unit per parameter-owning child of
+each block (attention, feed-forward, norms): smaller units, so smaller slots, a lower minimum budget
+and more budget left for resident weights, at the cost of more (still large) copies per step."""
+
+
+def find_unit_modules(module: nn.Module, granularity: str = "block") -> list[tuple[str, nn.Module]]:
+    """The blocks of every repeated block list (or, with ``granularity="child"``, their
+    parameter-owning children), outermost lists only, in definition order; else the leaf modules
+    that own parameters."""
     found: list[tuple[str, nn.Module]] = []
+
+    def add_block(qual: str, block: nn.Module) -> None:
+        children = [(n, c) for n, c in block.named_children() if _owns_params(c)]
+        direct = next(block.parameters(recurse=False), None) is not None
+        if granularity == "child" and children and not direct:
+            found.extend((f"{qual}.{n}", c) for n, c in children)
+        else:
+            found.append((qual, block))
 
     def visit(m: nn.Module, prefix: str) -> None:
         for name, child in m.named_children():
@@ -50,7 +65,7 @@ def find_unit_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
             if _is_block_list(child):
                 for i, block in child.named_children():
                     if _owns_params(block):
-                        found.append((f"{qual}.{i}", block))
+                        add_block(f"{qual}.{i}", block)
             else:
                 visit(child, qual + ".")
 
@@ -65,13 +80,13 @@ def find_unit_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return leaves or ([("", module)] if _owns_params(module) else [])
 
 
-def split_units(module: nn.Module) -> tuple[list[Unit], list[tuple[str, nn.Parameter]]]:
+def split_units(module: nn.Module, granularity: str = "block") -> tuple[list[Unit], list[tuple[str, nn.Parameter]]]:
     """Splits a component's parameters into units and always-resident leftovers.
 
     A parameter shared by two units, or by a unit and the rest of the model (tied weights), is
     kept resident, so that no slot ever holds a tensor another unit also needs.
     """
-    unit_modules = find_unit_modules(module)
+    unit_modules = find_unit_modules(module, granularity)
     owner_count: dict[int, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         owner_count[id(p)] = owner_count.get(id(p), 0) + 1

@@ -23,9 +23,9 @@ def assert_restored(module: torch.nn.Module, snap) -> None:
         assert torch.equal(param.detach().cpu(), values), f"{name}: values changed"
 
 
-def budgets(module: torch.nn.Module) -> dict[str, int | None]:
+def budgets(module: torch.nn.Module, granularity: str = "block") -> dict[str, int | None]:
     """The budgets from 'everything streamed' (the planner's minimum) to 'everything resident'."""
-    units, leftovers = split_units(module)
+    units, leftovers = split_units(module, granularity)
     base = sum(tensor_nbytes(p) for _, p in leftovers) + sum(tensor_nbytes(b) for b in module.buffers())
     sizes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units]
     minimum = _native.minimum_budget(sizes, base)

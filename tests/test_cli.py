@@ -26,7 +26,8 @@ def test_doctor_runs():
 
 
 def test_report_is_versioned_json_with_a_table(flux):
-    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["half"], device="cpu", component="transformer")
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["half"], device="cpu", component="transformer",
+                                units="block")
     with torch.no_grad():
         flux(**flux_inputs(flux))
         flux(**flux_inputs(flux))

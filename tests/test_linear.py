@@ -20,18 +20,22 @@ def _no_warm_leftovers():
     ddo_blocks.release_warm_slabs()
 
 
+@pytest.mark.parametrize("units", ["block", "child"])
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("budget_name", ["all_streamed", "half", "all_resident", "unlimited"])
-def test_flux_offloaded_output_equals_resident(flux, preset, budget_name):
+def test_flux_offloaded_output_equals_resident(flux, preset, budget_name, units):
     x = flux_inputs(flux)
     with torch.no_grad():
         ref = flux(**x)[0]
     snap = snapshot(flux)
-    budget = budgets(flux)[budget_name]
-    handle = ddo_blocks.offload(flux, preset=preset, vram_budget=budget, device="cpu", component="transformer")
+    budget = budgets(flux, units)[budget_name]
+    handle = ddo_blocks.offload(flux, preset=preset, vram_budget=budget, device="cpu", component="transformer",
+                                units=units)
     plan = handle.report()["plan"]
+    n_units = 5 if units == "block" else 2 * 5 + 3 * 4  # double blocks: 5 children with weights, single: 4
+    assert plan["units"] == n_units
     if budget_name == "all_streamed":
-        assert plan["resident_units"] == 0 and plan["streamed_units"] == 5
+        assert plan["resident_units"] == 0 and plan["streamed_units"] == n_units
     if budget_name in ("all_resident", "unlimited"):
         assert plan["streamed_units"] == 0
     if budget is not None:
@@ -47,7 +51,8 @@ def test_flux_offloaded_output_equals_resident(flux, preset, budget_name):
 
 
 def test_streamed_params_are_views_into_slabs_no_second_copy(flux):
-    handle = ddo_blocks.offload(flux, preset="one_shot_fast", vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    handle = ddo_blocks.offload(flux, preset="one_shot_fast", vram_budget=budgets(flux)["all_streamed"], device="cpu",
+                                units="block")
     engine = handle.engine
     slab_storages = {s.storage.data_ptr() for s in engine.slabs.slabs}
     streamed_bytes = 0
@@ -61,16 +66,21 @@ def test_streamed_params_are_views_into_slabs_no_second_copy(flux):
     handle.remove()
 
 
-def test_cyclic_prefetch_has_no_misses_after_first_call(flux):
+@pytest.mark.parametrize("units", ["block", "child"])
+def test_cyclic_prefetch_has_no_misses_after_first_call(flux, units):
     x = flux_inputs(flux)
-    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux, units)["all_streamed"], device="cpu", units=units)
     with torch.no_grad():
-        for _ in range(4):
+        flux(**x)
+        first = handle.report()["runtime"]
+        for _ in range(3):
             flux(**x)
     rt = handle.report()["runtime"]
     assert rt["calls"] == 4
-    assert rt["misses"] == 0
-    assert rt["order_changes"] == 0
+    if units == "block":  # definition order is execution order for Flux blocks
+        assert first["misses"] == 0 and first["order_changes"] == 0
+    assert rt["misses"] == first["misses"]  # no misses once the order is confirmed
+    assert rt["order_changes"] == first["order_changes"]
     # every call moves exactly the streamed units once (the prefetch of the next call included)
     assert rt["h2d_call_bytes"] == handle.report()["plan"]["streamed_bytes"]
     handle.remove()
@@ -279,3 +289,22 @@ def test_tied_weights_stay_resident():
         assert torch.equal(model(ids), ref)
     handle.remove()
     assert model.layers[2].weight is model.layers[0].weight
+
+
+def test_auto_units_pick_children_when_blocks_do_not_fit(flux):
+    """Below the block-level minimum, each block's children become the units (smaller slots)."""
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    block_min = budgets(flux, "block")["all_streamed"]
+    child_min = budgets(flux, "child")["all_streamed"]
+    assert child_min < block_min
+    handle = ddo_blocks.offload(flux, vram_budget=child_min, device="cpu")
+    assert handle.engine.granularity == "child"
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    handle.remove()
+    with pytest.raises(ddo_blocks.BudgetError, match=f"\\({child_min} bytes\\)"):
+        ddo_blocks.offload(flux, vram_budget=child_min - 1, device="cpu")
+    with pytest.raises(ddo_blocks.ConfigError, match="unit granularity"):
+        ddo_blocks.offload(flux, vram_budget=child_min, device="cpu", units="layer")

@@ -36,7 +36,7 @@ def test_loaded_model_equals_saved_model(saved, layout, preset):
     if layout == "sharded":
         assert (root / "sharded" / "diffusion_pytorch_model.safetensors.index.json").is_file()
     handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, root / layout, preset=preset, device="cpu",
-                                        vram_budget=budgets(model)["all_streamed"], progress=False)
+                                        vram_budget=budgets(model)["all_streamed"], progress=False, units="block")
     loaded = handle.module
     assert loaded.dtype == torch.bfloat16
     assert handle.setup_bytes_read == sum(p.numel() * p.element_size() for p in model.parameters())

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from .. import _native
-from ..errors import OffloadMemoryError, OffloadStateError
+from ..errors import BudgetError, ConfigError, OffloadMemoryError, OffloadStateError
 from ..presets import HostMode, Preset
-from ..units import Unit, split_units, tensor_nbytes
+from ..units import GRANULARITIES, Unit, split_units, tensor_nbytes
 from . import bandwidth
 from .slabs import SlabSet
 
@@ -60,34 +60,24 @@ class LinearEngine:
     """Streams one component's units through K device slots. Created by ``ddo_blocks.offload``."""
 
     def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device,
-                 loader: Any = None):
+                 loader: Any = None, units: str = "auto"):
         self.module = module
         self.loader = loader
         """A ``loading.Loader`` when the module was built on the meta device (``from_pretrained``)."""
         self.preset = preset
         self.budget = budget
         self.device = device
-        self.units: list[Unit]
-        self.units, self.leftovers = split_units(module)
         self.buffers = [
             (owner, name, buf)
             for owner in module.modules()
             for name, buf in owner._buffers.items()
             if buf is not None
         ]
-        self.base_bytes = sum(tensor_nbytes(p) for _, p in self.leftovers) + sum(
-            tensor_nbytes(b) for _, _, b in self.buffers
-        )
-        self.unit_bytes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in self.units]
         self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
-        self.plan = _native.plan(
-            self.unit_bytes,
-            base_bytes=self.base_bytes,
-            budget_bytes=budget,
-            link_bytes_per_s=self.link_bytes_per_s,
-            compute_bytes_per_s=bandwidth.compute_bytes_per_s(device, self.link_bytes_per_s),
-            min_slots=preset.min_slots,
-            max_slots=preset.max_slots,
+        if units not in ("auto", *GRANULARITIES):
+            raise ConfigError(f"units={units!r} is not a unit granularity; use 'auto', 'block' or 'child'")
+        self.granularity, self.units, self.leftovers, self.unit_bytes, self.base_bytes, self.plan = (
+            self._choose_units(units)
         )
         self.stats = EngineStats()
         self._orig_device: dict[int, torch.device] = {}
@@ -119,6 +109,37 @@ class LinearEngine:
         self._pending_cuda_calls: list[tuple[Any, Any, int, int]] = []
         self._final_transport_stats: tuple[int, int, float] = (0, 0, 0.0)
         self._copy_stream, self._compute_stream = _streams_for(device)
+
+    def _plan(self, granularity: str) -> tuple[str, list[Unit], list, list[int], int, dict]:
+        units, leftovers = split_units(self.module, granularity)
+        base = sum(tensor_nbytes(p) for _, p in leftovers) + sum(tensor_nbytes(b) for _, _, b in self.buffers)
+        sizes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units]
+        plan = _native.plan(
+            sizes,
+            base_bytes=base,
+            budget_bytes=self.budget,
+            link_bytes_per_s=self.link_bytes_per_s,
+            compute_bytes_per_s=bandwidth.compute_bytes_per_s(self.device, self.link_bytes_per_s),
+            min_slots=self.preset.min_slots,
+            max_slots=self.preset.max_slots,
+        )
+        return granularity, units, leftovers, sizes, base, plan
+
+    def _choose_units(self, units: str) -> tuple[str, list[Unit], list, list[int], int, dict]:
+        """Blocks as units, unless the budget needs smaller units or the planner predicts a clearly
+        faster step with each block's children as units (smaller slots leave more budget resident)."""
+        if units != "auto":
+            return self._plan(units)
+        try:
+            block = self._plan("block")
+        except BudgetError:
+            return self._plan("child")  # its error, if any, names the lower minimum
+        if block[5]["slots"] == 0:
+            return block  # everything fits: nothing streams
+        child = self._plan("child")
+        if len(child[1]) > len(block[1]) and child[5]["predicted_step_s"] < 0.97 * block[5]["predicted_step_s"]:
+            return child
+        return block
 
     # ---------------------------------------------------------------------------------------------
     # attach / detach
