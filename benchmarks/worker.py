@@ -23,9 +23,46 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 GIB = 1 << 30
+
+ROW_FIELDS = (
+    "id",
+    "route",
+    "preset",
+    "budget",
+    "budget_bytes",
+    "offload_type",
+    "status",
+    "error",
+    "note",
+    "step_s",
+    "step_s_all",
+    "first_call_s",
+    "setup_s",
+    "gpu_peak_allocated",
+    "gpu_peak_reserved",
+    "gpu_setup_peak_allocated",
+    "gpu_after_attach",
+    "host_peak_rss",
+    "host_rss_start",
+    "pinned_bytes",
+    "pinned_source",
+    "torch_pinned_peak_bytes",
+    "streamed_bytes",
+    "streamed_bytes_source",
+    "predicted_step_s",
+)
+"""Every row has these keys (``None`` where not measured or not applicable)."""
+
+
+def stub_row(spec: dict[str, Any], status: str = "error", note: str | None = None) -> dict[str, Any]:
+    row: dict[str, Any] = dict.fromkeys(ROW_FIELDS)
+    row.update({k: spec.get(k) for k in ("id", "route", "preset", "budget", "budget_bytes", "offload_type")})
+    row.update(status=status, note=note)
+    return row
 
 
 # -------------------------------------------------------------------------------------------------
@@ -68,6 +105,16 @@ def ru_maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def device_of(name: str):
+    """``torch.device`` with an explicit index for CUDA (``torch.cuda.set_device`` needs one)."""
+    import torch
+
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
+    return dev
+
+
 def _sync(dev) -> None:
     import torch
 
@@ -100,8 +147,12 @@ def _jsonable(x: Any, limit: int = 20000) -> Any:
 
 def is_fork_cuda_failure(text: str) -> bool:
     t = text.lower()
-    return ("forked subprocess" in t or "initialization error" in t or "cuda_error_not_initialized" in t
-            or "cudaerrorinitializationerror" in t)
+    return (
+        "forked subprocess" in t
+        or "initialization error" in t
+        or "cuda_error_not_initialized" in t
+        or "cudaerrorinitializationerror" in t
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -122,13 +173,25 @@ def machine_facts(dev) -> dict[str, Any]:
     }
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
-        facts.update(gpu_name=props.name, gpu_memory_bytes=props.total_memory,
-                     gpu_capability=f"{props.major}.{props.minor}")
+        facts.update(
+            gpu_name=props.name,
+            gpu_memory_bytes=props.total_memory,
+            gpu_capability=f"{props.major}.{props.minor}",
+        )
         driver = None
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.max,pcie.link.width.max",
-                                  "--format=csv,noheader", f"--id={dev.index or 0}"],
-                                 capture_output=True, text=True, timeout=20)
+            out = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=driver_version,pcie.link.gen.max,pcie.link.width.max",
+                    "--format=csv,noheader",
+                    f"--id={dev.index or 0}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+            )
             if out.returncode == 0 and out.stdout.strip():
                 parts = [s.strip() for s in out.stdout.strip().splitlines()[0].split(",")]
                 driver = parts[0]
@@ -215,7 +278,10 @@ def measure_bandwidth(dev, nbytes: int, threads: list[int], reps: int = 5) -> di
     host: dict[str, float] = {}
     for n in threads:
         _memmove_threads(pinned.data_ptr(), pageable.data_ptr(), nbytes, n)
-        times = [_memmove_threads(pinned.data_ptr(), pageable.data_ptr(), nbytes, n) for _ in range(max(3, reps // 2))]
+        times = [
+            _memmove_threads(pinned.data_ptr(), pageable.data_ptr(), nbytes, n)
+            for _ in range(max(3, reps // 2))
+        ]
         host[str(n)] = nbytes / statistics.median(times) / 1e9
     res["host_copy_gb_s"] = host
     del pinned, pageable
@@ -228,14 +294,15 @@ def run_build(job: dict[str, Any]) -> dict[str, Any]:
     from . import model as M
 
     ctx = job["ctx"]
-    dev = torch.device(ctx["device"])
+    dev = device_of(ctx["device"])
     if dev.type == "cuda":
         torch.cuda.init()
         torch.cuda.set_device(dev)
     out: dict[str, Any] = {"kind": "build"}
     out["machine"] = machine_facts(dev)
-    out["build_s"] = M.fill_blob(ctx["cfg"], M.dtype_of(ctx["dtype"]), job["entries"], job["blob_fd"], dev,
-                                 ctx["seed"])
+    out["build_s"] = M.fill_blob(
+        ctx["cfg"], M.dtype_of(ctx["dtype"]), job["entries"], job["blob_fd"], dev, ctx["seed"]
+    )
     if ctx.get("bandwidth", True):
         t0 = time.perf_counter()
         out["bandwidth"] = measure_bandwidth(dev, ctx["bw_bytes"], ctx["bw_threads"])
@@ -249,7 +316,9 @@ def run_build(job: dict[str, Any]) -> dict[str, Any]:
 class Attached:
     """What a route's attach returns: the module to call and route facts for the row."""
 
-    def __init__(self, module, info: dict[str, Any] | None = None, after: Callable[[], dict[str, Any]] | None = None):
+    def __init__(
+        self, module, info: dict[str, Any] | None = None, after: Callable[[], dict[str, Any]] | None = None
+    ):
         self.module = module
         self.info = info or {}
         self.after = after
@@ -262,17 +331,32 @@ def _attach_resident(model, spec, dev, ctx) -> Attached:
         free, _total = torch.cuda.mem_get_info(dev)
         need = int(ctx["weight_bytes"] * 1.1) + 4 * GIB
         if need > free:
-            raise _Skip(f"the GPU has {free / GIB:.1f} GiB free; all weights resident need about {need / GIB:.1f} GiB")
+            raise _Skip(
+                f"the GPU has {free / GIB:.1f} GiB free; all weights resident need about {need / GIB:.1f} GiB"
+            )
     model.to(dev)
-    return Attached(model, {"streamed_bytes": 0, "streamed_bytes_source": "none (every weight resident)",
-                            "pinned_bytes": 0, "pinned_source": "none"})
+    return Attached(
+        model,
+        {
+            "streamed_bytes": 0,
+            "streamed_bytes_source": "none (every weight resident)",
+            "pinned_bytes": 0,
+            "pinned_source": "none",
+        },
+    )
 
 
 def _attach_ours(model, spec, dev, ctx) -> Attached:
     import ddo_blocks
 
-    handle = ddo_blocks.offload(model, route="linear", preset=spec["preset"], vram_budget=spec["budget_bytes"],
-                                device=dev, component="transformer")
+    handle = ddo_blocks.offload(
+        model,
+        route="linear",
+        preset=spec["preset"],
+        vram_budget=spec["budget_bytes"],
+        device=dev,
+        component="transformer",
+    )
     rep = handle.report().to_dict()
     info = {
         "streamed_bytes": rep["plan"].get("streamed_bytes"),
@@ -301,12 +385,17 @@ def _attach_diffusers(model, spec, dev, ctx) -> Attached:
     import torch
 
     kind = spec["offload_type"]
-    kwargs: dict[str, Any] = dict(onload_device=dev, offload_device=torch.device("cpu"), offload_type=kind,
-                                  use_stream=dev.type == "cuda")
+    kwargs: dict[str, Any] = {
+        "onload_device": dev,
+        "offload_device": torch.device("cpu"),
+        "offload_type": kind,
+        "use_stream": dev.type == "cuda",
+    }
     if kind == "block_level":
         kwargs["num_blocks_per_group"] = 1
     model.enable_group_offload(**kwargs)
-    return Attached(model, {"call": f"model.enable_group_offload({', '.join(f'{k}={v!s}' for k, v in kwargs.items())})"})
+    call = f"model.enable_group_offload({', '.join(f'{k}={v!s}' for k, v in kwargs.items())})"
+    return Attached(model, {"call": call, "use_stream": kwargs["use_stream"]})
 
 
 def _attach_ddo(model, spec, dev, ctx) -> Attached:
@@ -327,20 +416,27 @@ def _attach_ddo(model, spec, dev, ctx) -> Attached:
     if "execution_device" in params:
         kwargs["execution_device"] = f"cuda:{dev.index or 0}" if dev.type == "cuda" else str(dev)
     result = fn(model, **kwargs)
-    module = getattr(result, "module", None) or model
-    info: dict[str, Any] = {"ddo_route": getattr(result, "route", None), "call": f"enable_offload(model, {kwargs})"}
+    module = getattr(result, "module", None)
+    if module is None:
+        module = model
+    info: dict[str, Any] = {
+        "ddo_route": getattr(result, "route", None),
+        "call": f"enable_offload(model, {kwargs})",
+    }
     if getattr(result, "should_move_to_execution_device", False):
         info["note"] = "DDO asked the caller to move the module to the device (no offload applied); moved it"
         module.to(dev)
     hook = getattr(result, "hook", None)
     st = getattr(hook, "state", None)
     if st is not None:
-        info["ddo_state"] = _jsonable({
-            "bytes_by_placement": getattr(st, "bytes_by_placement", None),
-            "planner_decisions": getattr(st, "planner_decisions", None),
-            "setup_seconds_by_action": getattr(st, "setup_seconds_by_action", None),
-            "selected_resident_modules": len(getattr(st, "selected_resident_modules", []) or []),
-        })
+        info["ddo_state"] = _jsonable(
+            {
+                "bytes_by_placement": getattr(st, "bytes_by_placement", None),
+                "planner_decisions": getattr(st, "planner_decisions", None),
+                "setup_seconds_by_action": getattr(st, "setup_seconds_by_action", None),
+                "selected_resident_modules": len(getattr(st, "selected_resident_modules", []) or []),
+            }
+        )
     payload = getattr(result, "event_payload", None)
     if payload:
         info["ddo_event_payload"] = _jsonable(payload, limit=4000)
@@ -351,7 +447,12 @@ class _Skip(Exception):
     pass
 
 
-ATTACH = {"resident": _attach_resident, "ours": _attach_ours, "diffusers": _attach_diffusers, "ddo": _attach_ddo}
+ATTACH = {
+    "resident": _attach_resident,
+    "ours": _attach_ours,
+    "diffusers": _attach_diffusers,
+    "ddo": _attach_ddo,
+}
 
 
 def run_row(job: dict[str, Any], model) -> dict[str, Any]:
@@ -361,9 +462,9 @@ def run_row(job: dict[str, Any], model) -> dict[str, Any]:
 
     spec, ctx = job["spec"], job["ctx"]
     sampler = RssSampler(ctx.get("rss_interval_s", 0.01)).start()
-    row: dict[str, Any] = {k: spec.get(k) for k in ("id", "route", "preset", "budget", "budget_bytes", "offload_type")}
-    row.update(status="error", pid=os.getpid(), host_rss_start=sampler.peak)
-    dev = torch.device(ctx["device"])
+    row = stub_row(spec)
+    row.update(pid=os.getpid(), host_rss_start=sampler.peak)
+    dev = device_of(ctx["device"])
     dtype = M.dtype_of(ctx["dtype"])
     try:
         if dev.type == "cuda":
@@ -379,15 +480,23 @@ def run_row(job: dict[str, Any], model) -> dict[str, Any]:
         row.update(info)
         if dev.type == "cuda":
             row["gpu_after_attach"] = torch.cuda.memory_allocated(dev)
-            if spec["route"] in ("diffusers", "ddo") and "streamed_bytes" not in row:
+            if spec["route"] in ("diffusers", "ddo") and row.get("streamed_bytes") is None:
                 row["streamed_bytes"] = max(0, ctx["weight_bytes"] - row["gpu_after_attach"])
-                row["streamed_bytes_source"] = ("estimate: weight bytes minus GPU memory allocated after attach "
-                                                "(before any call)")
-        elif "streamed_bytes" not in row:
+                row["streamed_bytes_source"] = (
+                    "estimate: weight bytes minus GPU memory allocated after attach (before any call)"
+                )
+        elif row.get("streamed_bytes") is None:
             row["streamed_bytes"] = ctx["weight_bytes"]
             row["streamed_bytes_source"] = "cpu: every weight bytes (no device link)"
-        inputs = M.make_inputs(attached.module, height_tokens=ctx["height_tokens"], width_tokens=ctx["width_tokens"],
-                               text_tokens=ctx["text_tokens"], device=dev, dtype=dtype, seed=ctx["seed"] + 1)
+        inputs = M.make_inputs(
+            attached.module,
+            height_tokens=ctx["height_tokens"],
+            width_tokens=ctx["width_tokens"],
+            text_tokens=ctx["text_tokens"],
+            device=dev,
+            dtype=dtype,
+            seed=ctx["seed"] + 1,
+        )
         fwd = attached.module
         with torch.no_grad():
             _sync(dev)
@@ -422,10 +531,13 @@ def run_row(job: dict[str, Any], model) -> dict[str, Any]:
             row["gpu_peak_allocated"] = row["gpu_peak_reserved"] = None
         if attached.after is not None:
             row.update(attached.after())
-        if spec["route"] in ("diffusers", "ddo") and "pinned_bytes" not in row:
+        if spec["route"] in ("diffusers", "ddo") and row.get("pinned_bytes") is None:
             row["pinned_bytes"] = row.get("torch_pinned_peak_bytes")
-            row["pinned_source"] = ("torch pinned-allocator peak (power-of-two rounded)"
-                                    if row["pinned_bytes"] is not None else "not measured")
+            row["pinned_source"] = (
+                "torch pinned-allocator peak (power-of-two rounded)"
+                if row["pinned_bytes"] is not None
+                else "not measured"
+            )
         if spec["route"] == "ours" and spec["preset"] == "warm_process" and ctx.get("warm_rerun", True):
             row.update(_warm_rerun(attached, spec, dev, inputs, ctx))
         row["status"] = "ok"
@@ -447,15 +559,22 @@ def run_row(job: dict[str, Any], model) -> dict[str, Any]:
 def _warm_rerun(attached: Attached, spec, dev, inputs, ctx) -> dict[str, Any]:
     """warm_process: remove() and offload the same weights again; the slabs should be reused
     without copying or pinning. Records the second setup, its first call and a short median."""
-    import ddo_blocks
     import torch
+
+    import ddo_blocks
 
     handle = attached.info["_state"]["handle"]
     model = attached.module
     handle.remove()
     t0 = time.perf_counter()
-    h2 = ddo_blocks.offload(model, route="linear", preset=spec["preset"], vram_budget=spec["budget_bytes"],
-                            device=dev, component="transformer")
+    h2 = ddo_blocks.offload(
+        model,
+        route="linear",
+        preset=spec["preset"],
+        vram_budget=spec["budget_bytes"],
+        device=dev,
+        component="transformer",
+    )
     _sync(dev)
     res: dict[str, Any] = {"warm_setup_s": time.perf_counter() - t0}
     rep = h2.report().to_dict()
@@ -488,17 +607,25 @@ def run_job(job: dict[str, Any], model=None) -> dict[str, Any]:
                 from . import model as M
 
                 ctx = job["ctx"]
-                model = M.load_model(ctx["cfg"], M.dtype_of(ctx["dtype"]), job["entries"], job["blob_fd"],
-                                     ctx.get("load_threads", 8))
+                model = M.load_model(
+                    ctx["cfg"],
+                    M.dtype_of(ctx["dtype"]),
+                    job["entries"],
+                    job["blob_fd"],
+                    ctx.get("load_threads", 8),
+                )
             res = run_row(job, model)
     except BaseException as exc:  # noqa: BLE001 - the parent reads the error
-        res = {"kind": job["kind"], "status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000],
-               "traceback": traceback.format_exc()[-4000:]}
+        res = {
+            "kind": job["kind"],
+            "status": "error",
+            "error": f"{type(exc).__name__}: {exc}"[:2000],
+            "traceback": traceback.format_exc()[-4000:],
+        }
         if is_fork_cuda_failure(res["error"]) and job.get("isolation") == "fork":
             res["fork_cuda_failure"] = True
         if "spec" in job:
-            res.update({k: job["spec"].get(k) for k in ("id", "route", "preset", "budget", "budget_bytes",
-                                                         "offload_type")})
+            res = {**stub_row(job["spec"]), **res}
     res["child_wall_s"] = time.perf_counter() - t0
     res["isolation"] = job.get("isolation")
     tmp = job["result_path"] + ".tmp"

@@ -11,8 +11,9 @@ Quick start::
 
 from . import presets
 from ._native import __version__
-from .api import OffloadHandle, OffloadResult, enable_offload, get_handle, offload, resolve_device
+from .api import OffloadHandle, OffloadResult, enable_offload, get_handle, minimum_budget, offload, resolve_device
 from .budget import fmt_bytes, parse_bytes
+from .loading import from_pretrained
 from .engine.slabs import release_warm_slabs, warm_bytes
 from .errors import (
     BudgetError,
@@ -58,7 +59,9 @@ __all__ = [
     "__version__",
     "enable_offload",
     "fmt_bytes",
+    "from_pretrained",
     "get_handle",
+    "minimum_budget",
     "offload",
     "parse_bytes",
     "presets",

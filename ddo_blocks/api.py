@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from . import _native
-from .budget import parse_bytes
+from .budget import fmt_bytes, parse_bytes
 from .engine.linear import LinearEngine
 from .engine.resident import OffEngine, ResidentEngine
-from .errors import ConfigError, CudaNotAvailableError, OffloadStateError
+from .errors import BudgetError, ConfigError, CudaNotAvailableError, OffloadStateError
 from .presets import HostMode, Preset, resolve
 from .report import Report, build_report
 from .units import split_units, tensor_nbytes
@@ -153,6 +153,12 @@ def offload(
         raise OffloadStateError(
             f"{type(module).__name__} is already offloaded ({existing!r}); call .remove() on that handle first"
         )
+    if route in ("linear", "resident"):
+        from .engine.diffusers_compat import foreign_offload
+
+        conflict = foreign_offload(module)
+        if conflict is not None:
+            raise OffloadStateError(f"{type(module).__name__} {conflict}")
     resolve(route, preset)  # names first: errors list the valid ones
     budget = parse_bytes(vram_budget, what="vram_budget")
     dev = resolve_device(device)
@@ -207,7 +213,13 @@ def _linear(module: nn.Module, preset: str, budget: int | None, dev: torch.devic
 
 def _resident(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
     _no_options("resident", options)
-    return resolve("resident", preset), ResidentEngine(module, dev)
+    engine = ResidentEngine(module, dev)
+    if budget is not None and engine.gpu_bytes > budget:
+        raise BudgetError(
+            f"route='resident' puts all {fmt_bytes(engine.gpu_bytes)} of {type(module).__name__} on {dev}, more than "
+            f"vram_budget={fmt_bytes(budget)}; raise the budget or use route='linear', which streams what does not fit"
+        )
+    return resolve("resident", preset), engine
 
 
 def _off(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
@@ -221,6 +233,26 @@ _ENGINES: dict[str, EngineFactory] = {"linear": _linear, "resident": _resident, 
 def register_route(name: str, factory: EngineFactory) -> None:
     """Registers a route's engine factory (its presets go in ``presets.ROUTES``)."""
     _ENGINES[name] = factory
+
+
+def minimum_budget(module: nn.Module, *, units: str = "auto") -> int:
+    """The smallest ``vram_budget`` (bytes) the linear route accepts for ``module``: always-resident
+    weights plus two slots of the largest unit, at the given unit granularity (``auto``: the lower
+    of blocks and their children)."""
+    from . import _native
+    from .units import GRANULARITIES
+
+    if units not in ("auto", *GRANULARITIES):
+        raise ConfigError(f"units={units!r} is not a unit granularity; use 'auto', 'block' or 'child'")
+    buffers = sum(tensor_nbytes(b) for b in module.buffers())
+    best = None
+    for granularity in GRANULARITIES if units == "auto" else (units,):
+        found, leftovers = split_units(module, granularity)
+        base = sum(tensor_nbytes(p) for _, p in leftovers) + buffers
+        sizes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in found]
+        need = _native.minimum_budget(sizes, base)
+        best = need if best is None else min(best, need)
+    return int(best)
 
 
 def get_handle(module: nn.Module) -> OffloadHandle | None:

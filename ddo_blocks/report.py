@@ -186,6 +186,7 @@ def build_report(handle: OffloadHandle) -> Report:
             staging_bytes=handle.preset.staging_bytes,
             predicted_step_s=p["predicted_step_s"],
         )
+        calibrated = engine.calibrated_prediction()
         setup.update(
             seconds=engine.stats.setup_s,
             pack_s=engine.stats.pack_s,
@@ -215,10 +216,18 @@ def build_report(handle: OffloadHandle) -> Report:
         )
         link = engine.link_bytes_per_s
         bound = engine.streamed_bytes / link if link else None
+        compute = calibrated["compute_s"] if calibrated else None
+        roof = max(compute, bound or 0.0) if compute is not None else None
+        runtime.update(
+            calibrated_predicted_step_s=calibrated["predicted_step_s"] if calibrated else None,
+            compute_wait_s=calibrated["measured_wait_s"] if calibrated else None,
+        )
         roofline.update(
             link_gb_s=link / 1e9,
             transfer_bound_s=bound,
-            transfer_efficiency=(bound / median) if bound and median else None,
+            compute_s=compute,
+            bound_s=roof,
+            efficiency=(roof / median) if roof and median else None,
         )
     elif hasattr(engine, "gpu_bytes"):
         plan.update(gpu_bytes=engine.gpu_bytes)
@@ -227,7 +236,7 @@ def build_report(handle: OffloadHandle) -> Report:
         "gpu_peak_allocated": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         "gpu_peak_reserved": torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
         "host_rss": rss,
-        "host_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "host_peak_rss": max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
         "pinned_bytes": pinned,
     }
     data.update(plan=plan, setup=setup, runtime=runtime, memory=memory, roofline=roofline)

@@ -46,7 +46,8 @@ def tiny_flux_transformer(dtype: torch.dtype = torch.float32, seed: int = 0, **o
     from diffusers import FluxTransformer2DModel
 
     cfg = {**TINY_FLUX_TRANSFORMER, **overrides}
-    return _seeded(lambda: FluxTransformer2DModel(**cfg), seed).to(dtype).eval()
+    model = _seeded(lambda: FluxTransformer2DModel(**cfg), seed)
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
 
 
 def tiny_autoencoder_kl(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
@@ -54,7 +55,8 @@ def tiny_autoencoder_kl(dtype: torch.dtype = torch.float32, seed: int = 0, **ove
     from diffusers import AutoencoderKL
 
     cfg = {**TINY_AUTOENCODER_KL, **overrides}
-    return _seeded(lambda: AutoencoderKL(**cfg), seed).to(dtype).eval()
+    model = _seeded(lambda: AutoencoderKL(**cfg), seed)
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
 
 
 def flux_inputs(model, batch: int = 1, height: int = 8, width: int = 8, text_len: int = 12, seed: int = 1,

@@ -25,7 +25,7 @@ import torch
 from .tiny import TINY_AUTOENCODER_KL, TINY_FLUX_TRANSFORMER, _seeded
 
 FAMILIES = ("flux", "sd3", "wan")
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 """Bumped whenever a config below changes, so a stale cache is never reused."""
 
 _WORDS = (
@@ -43,7 +43,16 @@ TINY_T5 = dict(
     vocab_size=1000, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
     pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
 )
-TINY_FLUX_VAE = {**TINY_AUTOENCODER_KL, "shift_factor": 0.0609, "scaling_factor": 1.5035}
+TINY_FLUX_VAE = {
+    **TINY_AUTOENCODER_KL,
+    # four levels, as in the real Flux and SD3 VAEs: a scale factor of 8 (a pipeline stage without the VAE
+    # assumes 8 when it sizes the latents)
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "block_out_channels": (8, 8, 16, 16),
+    "shift_factor": 0.0609,
+    "scaling_factor": 1.5035,
+}
 TINY_SD3_TRANSFORMER = dict(
     sample_size=32, patch_size=1, in_channels=4, num_layers=3, attention_head_dim=8, num_attention_heads=4,
     caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
@@ -56,8 +65,8 @@ TINY_WAN_TRANSFORMER = dict(
 TINY_WAN_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
 
 CALL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "flux": dict(height=16, width=16, num_inference_steps=2, max_sequence_length=16),
-    "sd3": dict(height=16, width=16, num_inference_steps=2, max_sequence_length=16),
+    "flux": dict(height=32, width=32, num_inference_steps=2, max_sequence_length=16),
+    "sd3": dict(height=32, width=32, num_inference_steps=2, max_sequence_length=16),
     "wan": dict(height=16, width=16, num_frames=5, num_inference_steps=2, max_sequence_length=16),
 }
 """Call arguments that suit each tiny model (any real model takes its own)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import ddo_blocks
 from ddo_blocks import _native
 from ddo_blocks.units import split_units, tensor_nbytes
 
@@ -27,9 +28,8 @@ def budgets(module: torch.nn.Module, granularity: str = "block") -> dict[str, in
     """The budgets from 'everything streamed' (the planner's minimum) to 'everything resident'."""
     units, leftovers = split_units(module, granularity)
     base = sum(tensor_nbytes(p) for _, p in leftovers) + sum(tensor_nbytes(b) for b in module.buffers())
-    sizes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units]
-    minimum = _native.minimum_budget(sizes, base)
-    total = base + sum(sizes)
+    total = base + sum(_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units)
+    minimum = ddo_blocks.minimum_budget(module, units=granularity)
     return {
         "all_streamed": minimum,
         "half": (minimum + total) // 2,

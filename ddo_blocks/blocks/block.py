@@ -23,7 +23,7 @@ from torch import nn
 
 from ..api import OffloadHandle, get_handle, offload, resolve_device
 from ..budget import fmt_bytes
-from ..errors import ConfigError, OffloadStateError
+from ..errors import ConfigError, DdoError, OffloadStateError
 from ..report import Report
 from .policy import OffloadPolicy, default_policy, parse_stage_policy
 
@@ -271,7 +271,10 @@ class OffloadBlock(ModularPipelineBlocks):
                 policy = self.component_policies[name]
                 handle = adopt[name]
                 if handle is None:
-                    handle = offload(module, device=self.device, component=name, **policy.offload_kwargs())
+                    try:
+                        handle = offload(module, device=self.device, component=name, **policy.offload_kwargs())
+                    except DdoError as exc:  # name the stage and component; keep the class (BudgetError, ...)
+                        raise type(exc)(f"stage {self.stage!r}, component {name!r}: {exc}") from exc
                     setattr(handle, _POLICY_ATTR, (policy, self.device))
                     created.append(name)
                 if policy.route in ("linear", "resident"):

@@ -237,8 +237,10 @@ def default_policy(stage: str, preset: str = "auto") -> OffloadPolicy:
     if preset not in PIPELINE_PRESETS:
         raise ConfigError(f"unknown pipeline preset {preset!r}; valid: {', '.join(PIPELINE_PRESETS)}")
     kind = stage_kind(stage)
-    if preset in ("off", "resident"):
-        return OffloadPolicy(route=preset)
+    if preset == "off":
+        return OffloadPolicy(route="off")
+    if preset == "resident":
+        return OffloadPolicy(route="resident", release=kind == "text_encoder")
     leaf = OffloadPolicy(route="diffusers", preset="diffusers_leaf_offload_compat")
     if kind == "text_encoder":
         return replace(leaf, release=True)

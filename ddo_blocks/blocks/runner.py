@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .. import _native
 from ..budget import fmt_bytes
 from ..errors import ConfigError
 from ..report import Report
-from ..units import split_units, tensor_nbytes
 from .block import REPORTS_KEY, remove_offload
 from .policy import PIPELINE_PRESETS
 from .wrap import wrap
@@ -69,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
                        help="preset of that route (default: the route's auto); `python -m ddo_blocks presets`")
         g.add_argument(f"--{flag}-budget", dest=f"{stage}_budget", default=None,
                        help="VRAM budget per component for the linear route, e.g. 6GiB, or 'min' for the "
-                            "smallest that holds the largest unit (every block streams)")
+                            "smallest block-level plan: the always-resident weights plus two slots of the largest block")
         if stage != "denoise":
             g.add_argument(f"--{flag}-offload-type", dest=f"{stage}_offload_type", default=None,
                            choices=("leaf_level", "block_level"),
@@ -89,12 +88,10 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
 
 
 def minimum_budget(module: torch.nn.Module) -> int:
-    """The smallest linear-route budget for ``module``: its always-resident weights plus two slots of
-    its largest unit (every unit streams)."""
-    units, leftovers = split_units(module)
-    base = sum(tensor_nbytes(p) for _, p in leftovers) + sum(tensor_nbytes(b) for b in module.buffers())
-    sizes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units]
-    return int(_native.minimum_budget(sizes, base))
+    """The smallest linear-route budget for ``module`` (see :func:`ddo_blocks.minimum_budget`)."""
+    from ..api import minimum_budget as api_minimum_budget
+
+    return api_minimum_budget(module)
 
 
 def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks: Any) -> dict[str, Any]:

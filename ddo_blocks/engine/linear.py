@@ -26,6 +26,7 @@ from ..errors import BudgetError, ConfigError, OffloadMemoryError, OffloadStateE
 from ..presets import HostMode, Preset
 from ..units import GRANULARITIES, Unit, split_units, tensor_nbytes
 from . import bandwidth
+from .calibrate import Calibration
 from .slabs import SlabSet
 
 ENTRY_METHODS = ("encode", "decode")
@@ -108,6 +109,9 @@ class LinearEngine:
         self._call_misses0 = 0
         self._pending_cuda_calls: list[tuple[Any, Any, int, int]] = []
         self._final_transport_stats: tuple[int, int, float] = (0, 0, 0.0)
+        self._calls_started = 0
+        self._calibration: Calibration | None = None
+        self._calibrating = False
         self._copy_stream, self._compute_stream = _streams_for(device)
 
     def _plan(self, granularity: str) -> tuple[str, list[Unit], list, list[int], int, dict]:
@@ -343,7 +347,12 @@ class LinearEngine:
                 self._next = (pos + 1) % len(self.sched)
             slot = self._free.popleft()
             self._fetch(u, slot)
+        cal = self._calibration if self._calibrating else None
+        if cal is not None:
+            cal.before_wait(self.streamed[u].index)
         self.transport.acquire(slot, self._compute_stream())
+        if cal is not None:
+            cal.unit_begin(self.streamed[u].index)
         self._bind(self.streamed[u], self.slot_views[u][slot])
         self._running = (u, slot)
         self._topup()
@@ -353,6 +362,8 @@ class LinearEngine:
             return
         slot = self._running[1]
         self._running = None
+        if self._calibrating:
+            self._calibration.unit_end(self.streamed[u].index)
         self.transport.release(slot, self._compute_stream())
         self._bind(self.streamed[u], self.slabs.host_views[u])
         self._free.append(slot)
@@ -365,6 +376,10 @@ class LinearEngine:
         if self._running is not None:
             self._unit_end(self._running[0])
         self._trace = []
+        if self._calibration is None and self._calls_started == 1 and self.streamed:
+            self._calibration = Calibration(self.device, [(u.index, u.module) for u in self.resident_units])
+            self._calibrating = True
+        self._calls_started += 1
         self._call_misses0 = self.stats.misses
         self._call_bytes0 = self.transport.stats()[1] if self.transport is not None else 0
         if self.device.type == "cuda":
@@ -379,6 +394,9 @@ class LinearEngine:
             return
         if self._running is not None:
             self._unit_end(self._running[0])
+        if self._calibrating:
+            self._calibration.close()
+            self._calibrating = False
         nbytes = (self.transport.stats()[1] if self.transport is not None else 0) - self._call_bytes0
         misses = self.stats.misses - self._call_misses0
         if self.device.type == "cuda":
@@ -405,6 +423,25 @@ class LinearEngine:
             self.stats.calls.append(CallRecord(start.elapsed_time(end) / 1e3, nbytes, misses))
         self._pending_cuda_calls.clear()
         return self.stats.calls
+
+    def calibrated_prediction(self) -> dict[str, Any] | None:
+        """The simulator's step time with the compute measured on the calibration call (the
+        second call), or None before it ran. Waits for that call to finish on the GPU."""
+        cal = self._calibration
+        if cal is None or cal.end is None:
+            return None
+        measured = cal.resolve(len(self.units))
+        step, _, wait, _ = _native.simulate(
+            self.unit_bytes, measured["unit_compute_s"], list(self.plan["resident"]), max(self.n_slots, 1),
+            self.link_bytes_per_s, 4,
+        )
+        return {
+            "predicted_step_s": step + measured["rest_s"],
+            "predicted_wait_s": wait,
+            "compute_s": sum(measured["unit_compute_s"]) + measured["rest_s"],
+            "measured_wait_s": measured["wait_s"],
+            "calibration_call_s": measured["call_s"],
+        }
 
     # ---------------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,139 @@
+"""The benchmark harness end to end on the CPU with the tiny model: ``python -m benchmarks.run
+--device cpu --tiny`` writes results.json, results.md and results.png, every row has the fields the
+tables use, each row ran in its own process, and a run merges with ``python -m benchmarks.merge``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ROW_KEYS = {
+    "route",
+    "preset",
+    "budget",
+    "status",
+    "step_s",
+    "roofline_s",
+    "ratio",
+    "gpu_peak_allocated",
+    "gpu_peak_reserved",
+    "host_peak_rss",
+    "pinned_bytes",
+    "setup_s",
+    "first_call_s",
+    "predicted_step_s",
+    "streamed_bytes",
+    "speedup_vs_diffusers_block",
+    "speedup_vs_ddo_rc2",
+}
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "run"
+    _run(["-m", "benchmarks.run", "--device", "cpu", "--tiny", "--out", str(out)])
+    return out
+
+
+def test_outputs_exist(tiny_run: Path):
+    for name in ("results.json", "results.md", "results.png"):
+        assert (tiny_run / name).stat().st_size > 0, name
+    assert (tiny_run / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tiny_run / "results.md").read_text()
+    assert "| route | preset | budget | step s |" in md
+    assert "all weights resident" in md and "ddo_blocks linear one_shot_fast" in md
+
+
+def test_rows_have_the_fields(tiny_run: Path):
+    doc = json.loads((tiny_run / "results.json").read_text())
+    for key in ("gpu_name", "driver", "torch", "diffusers", "cpu_count", "ram_bytes"):
+        assert key in doc["machine"], key
+    assert doc["created"] and doc["command"].startswith("python -m benchmarks.run")
+    bw = doc["bandwidth"]
+    assert bw["pinned_h2d_gb_s"] > 0 and set(bw["host_copy_gb_s"]) == {"1", "4", "8", "16"}
+    rows = doc["rows"]
+    for r in rows:
+        assert ROW_KEYS <= set(r), (r.get("id"), ROW_KEYS - set(r))
+    ok = {(r["route"], r["preset"] or r["offload_type"], r["budget"]) for r in rows if r["status"] == "ok"}
+    for preset in ("one_shot_fast", "low_ram_safe", "warm_process"):
+        assert ("ours", preset, "min") in ok, preset
+    assert ("resident", None, None) in ok
+    assert ("diffusers", "block_level", None) in ok and ("diffusers", "leaf_level", None) in ok
+    # DDO rc2 is CUDA-only: its rows are skipped with a note, not errors
+    ddo = [r for r in rows if r["route"] == "ddo"]
+    assert ddo and all(r["status"] == "skipped" and r["note"] for r in ddo)
+    assert not [r for r in rows if r["status"] == "error"], [
+        r.get("error") for r in rows if r["status"] == "error"
+    ]
+    # one process per row
+    pids = [r["pid"] for r in rows if r["status"] == "ok"]
+    assert len(set(pids)) == len(pids) and os.getpid() not in pids
+    for r in rows:
+        if r["status"] == "ok":
+            assert r["step_s"] > 0 and r["roofline_s"] > 0 and r["ratio"] > 0
+            assert r["host_peak_rss"] > 0 and r["setup_s"] >= 0 and r["first_call_s"] > 0
+            if r["route"] == "ours":
+                assert r["predicted_step_s"] is not None and r["pinned_bytes"] == 0  # no pinning on the CPU
+                assert r["streamed_bytes"] > 0
+    warm = [r for r in rows if r["preset"] == "warm_process" and r["status"] == "ok"]
+    assert warm and all(r["warm_reused"] for r in warm)
+    assert doc["comparisons"]
+
+
+def test_merge(tiny_run: Path, tmp_path: Path):
+    out = tmp_path / "merged"
+    _run(["-m", "benchmarks.merge", str(tiny_run), str(tiny_run), "--out", str(out), "--no-plot"])
+    merged = json.loads((out / "results.json").read_text())
+    first = json.loads((tiny_run / "results.json").read_text())
+    assert len(merged["rows"]) == len(first["rows"])
+    assert (out / "results.md").exists()
+
+
+@pytest.mark.slow
+def test_spawn_isolation(tmp_path: Path):
+    """The fallback where forking is unsafe: every row (and the builder) a fresh interpreter."""
+    out = tmp_path / "spawn"
+    _run(
+        [
+            "-m",
+            "benchmarks.run",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--isolation",
+            "spawn",
+            "--routes",
+            "resident",
+            "--no-plot",
+            "--no-bandwidth",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    doc = json.loads((out / "results.json").read_text())
+    (row,) = doc["rows"]
+    assert row["status"] == "ok" and row["isolation"] == "spawn" and row["step_s"] > 0
