@@ -232,10 +232,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         (
             "| route | preset | budget | step s | roofline s | step / roofline | peak GPU alloc GiB | peak GPU reserved GiB "
-            "| peak host RSS GiB | pinned GiB | setup s | first call s | predicted s | streamed GiB "
+            "| peak host RSS GiB | pinned GiB | setup s | first call s | predicted s | calibrated s | streamed GiB "
             "| speed-up vs diffusers block | speed-up vs DDO rc2 | notes |"
         ),
-        "|" + "---|" * 17,
+        "|" + "---|" * 18,
     ]
     notes_all = list(doc.get("notes", []))
     for r in doc.get("rows", []):
@@ -263,7 +263,9 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {_s(r.get('step_s'))} | {_s(r.get('roofline_s'))} | {_x(r.get('ratio'))} "
             f"| {_g(r.get('gpu_peak_allocated'))} | {_g(r.get('gpu_peak_reserved'))} | {_g(r.get('host_peak_rss'))} "
             f"| {_g(pin) if pin is not None else '-'} | {_s(r.get('setup_s'), 2)} | {_s(r.get('first_call_s'))} "
-            f"| {_s(r.get('predicted_step_s'))} | {_g(r.get('streamed_bytes'))} "
+            f"| {_s(r.get('predicted_step_s'))} "
+            f"| {_s(((r.get('report') or {}).get('runtime') or {}).get('calibrated_predicted_step_s'))} "
+            f"| {_g(r.get('streamed_bytes'))} "
             f"| {_x(r.get('speedup_vs_diffusers_block'))} | {_x(r.get('speedup_vs_ddo_rc2'))} "
             f"| {'; '.join(notes).replace('|', '/')} |"
         )
@@ -330,7 +332,9 @@ def markdown(doc: dict[str, Any]) -> str:
         (
             "- **setup s**: wall time of the attach call (offload / enable_group_offload / enable_offload / .to()), "
             "pinning included. **first call s**: the first forward (warm-up, order tracing). "
-            "**predicted s**: our planner's `plan.predicted_step_s`."
+            "**predicted s**: our planner's `plan.predicted_step_s` (before any call; "
+            "compute from a prior). **calibrated s**: the same simulator with the compute measured on the second call "
+            "(`runtime.calibrated_predicted_step_s`)."
         ),
         (
             "- **speed-up vs ...**: the fastest peer row (diffusers block_level; any DDO rc2 row) whose peak GPU "

@@ -51,13 +51,23 @@ def find_unit_modules(module: nn.Module, granularity: str = "block") -> list[tup
     that own parameters."""
     found: list[tuple[str, nn.Module]] = []
 
+    def add_callable(qual: str, m: nn.Module) -> None:
+        # Containers are never called, so hooks on them never fire: their items are the units.
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            for n, c in m.named_children():
+                if _owns_params(c):
+                    add_callable(f"{qual}.{n}", c)
+        else:
+            found.append((qual, m))
+
     def add_block(qual: str, block: nn.Module) -> None:
         children = [(n, c) for n, c in block.named_children() if _owns_params(c)]
         direct = next(block.parameters(recurse=False), None) is not None
         if granularity == "child" and children and not direct:
-            found.extend((f"{qual}.{n}", c) for n, c in children)
+            for n, c in children:
+                add_callable(f"{qual}.{n}", c)
         else:
-            found.append((qual, block))
+            add_callable(qual, block)
 
     def visit(m: nn.Module, prefix: str) -> None:
         for name, child in m.named_children():

@@ -120,6 +120,26 @@ def test_execution_order_is_learned_not_assumed():
     handle.remove()
 
 
+@pytest.mark.parametrize("units", ["block", "child"])
+def test_every_streamed_unit_is_entered(flux, vae, units):
+    """A unit whose hooks never fire would compute with host weights (on a GPU: a device error).
+    Containers such as ModuleList are never called, so they must never be units."""
+    img = torch.randn(1, 3, 32, 32)
+    for model, run in ((flux, lambda: flux(**flux_inputs(flux))), (vae, lambda: vae.decode(vae.encode(img).latent_dist.mode()))):
+        handle = ddo_blocks.offload(model, vram_budget=budgets(model, units)["all_streamed"], device="cpu", units=units)
+        for unit in handle.engine.units:
+            assert not isinstance(unit.module, (torch.nn.ModuleList, torch.nn.ModuleDict)), unit.name
+        entered = set()
+        hooks = [u.module.register_forward_pre_hook(lambda m, a, i=i: entered.add(i))
+                 for i, u in enumerate(handle.engine.streamed)]
+        with torch.no_grad():
+            run()
+        for h in hooks:
+            h.remove()
+        assert entered == set(range(len(handle.engine.streamed))), "some streamed units never ran"
+        handle.remove()
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_vae_encode_decode_are_hooked_and_exact(vae, preset):
     img = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
