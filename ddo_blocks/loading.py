@@ -26,6 +26,8 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
+_STAGING_BYTES = 256 << 20
+"""Each of the two page-locked buffers that carry resident tensors from the files to the GPU."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,51 @@ class Loader:
         out = t.data if device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype, device=device)
         self.read_many([(src, out)])
         return out
+
+    def materialize_many(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """Like :meth:`materialize` for many tensors. For a GPU, the files are read in parallel into
+        two page-locked staging buffers in turn while the other one's upload runs, instead of
+        pageable tensor-by-tensor copies (about 6 GB/s)."""
+        if device.type != "cuda":
+            return [self.materialize(t, device) for t in tensors]
+        outs = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
+        batch: list[tuple[TensorSource, torch.Tensor]] = []
+        for t, out in zip(tensors, outs):
+            src = self.take(t)
+            if src.dtype != t.dtype or src.nbytes > _STAGING_BYTES:
+                self.fill(src, out)  # casts, or too big for the staging buffer
+            else:
+                batch.append((src, out))
+        if not batch:
+            return outs
+        stream = torch.cuda.current_stream(device)
+        buffers = [torch.empty(_STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        done = [torch.cuda.Event(), torch.cuda.Event()]
+        turn, used, pending = 0, 0, []
+
+        def flush() -> None:
+            nonlocal turn, used, pending
+            if not pending:
+                return
+            buf = buffers[turn]
+            views = []
+            for src, out, off in pending:
+                views.append((src, buf[off: off + src.nbytes].view(src.dtype).view(src.shape), out))
+            self.read_many([(src, v) for src, v, _ in views])
+            for _, v, out in views:
+                out.copy_(v, non_blocking=True)
+            done[turn].record(stream)
+            turn, used, pending = 1 - turn, 0, []
+            done[turn].synchronize()  # the other buffer's uploads finished: it can be refilled
+
+        for src, out in batch:
+            if used + src.nbytes > _STAGING_BYTES:
+                flush()
+            pending.append((src, out, used))
+            used += (src.nbytes + 255) // 256 * 256
+        flush()
+        stream.synchronize()
+        return outs
 
     def close(self) -> None:
         if self._bar is not None:

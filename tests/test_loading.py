@@ -116,3 +116,21 @@ def test_not_a_model_directory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({}))
     with pytest.raises(ddo_blocks.CheckpointError, match="no safetensors weights"):
         ddo_blocks.from_pretrained(FluxTransformer2DModel, tmp_path, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["one_shot_fast", "low_ram_safe"])
+def test_loaded_on_cuda_equals_saved_model(saved, preset):
+    """Resident tensors go through the pinned staging pair, streamed ones into pinned slabs."""
+    root, model, x, _ = saved
+    model.to("cuda")
+    xc = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
+    with torch.no_grad():
+        ref = model(**xc)[0]
+    model.to("cpu")
+    handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, root / "sharded", preset=preset, device="cuda",
+                                        vram_budget=budgets(model)["half"], progress=False)
+    assert handle.report()["plan"]["resident_units"] > 0 and handle.report()["plan"]["streamed_units"] > 0
+    with torch.no_grad():
+        assert torch.equal(handle.module(**xc)[0], ref)
+    handle.remove()

@@ -179,10 +179,12 @@ class LinearEngine:
             if buf.device != dev:
                 owner._buffers[name] = buf.to(dev)
         params = [p for _, p in self.leftovers] + [p for u in self.resident_units for _, p in u.params]
+        if self.loader is not None:
+            pending = [p for p in params if self.loader.pending(p)]
+            for p, data in zip(pending, self.loader.materialize_many(pending, dev)):
+                p.data = data
         for p in params:
-            if self.loader is not None and self.loader.pending(p):
-                p.data = self.loader.materialize(p, dev)
-            elif p.device != dev:
+            if p.device != dev:
                 p.data = p.data.to(dev)
 
     def _build_slabs(self) -> None:
