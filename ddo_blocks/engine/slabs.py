@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import _native
+from ..errors import DdoError
 from ..units import Unit
 
 ALIGN = 256
@@ -155,7 +156,7 @@ class SlabSet:
                 for slab, future in pinning:
                     try:
                         slab.registration = future.result()
-                    except Exception as exc:  # keep the others, so a rollback can unpin them
+                    except DdoError as exc:  # keep the others, so a rollback can unpin them
                         errors.append(exc)
                 if errors:
                     raise errors[0]
