@@ -11,9 +11,17 @@ Quick start::
 
 from . import presets
 from ._native import __version__
-from .api import OffloadHandle, OffloadResult, enable_offload, get_handle, minimum_budget, offload, resolve_device
+from .api import (
+    OffloadHandle,
+    OffloadResult,
+    enable_offload,
+    get_handle,
+    minimum_budget,
+    offload,
+    resolve_device,
+)
 from .budget import fmt_bytes, parse_bytes
-from .loading import from_pretrained
+from .engine import diffusers_compat as _diffusers_compat
 from .engine.slabs import release_warm_slabs, warm_bytes
 from .errors import (
     BudgetError,
@@ -26,7 +34,7 @@ from .errors import (
     OffloadStateError,
     PlanError,
 )
-from .engine import diffusers_compat as _diffusers_compat
+from .loading import from_pretrained
 from .report import Report
 
 _diffusers_compat.register()  # route "diffusers": official group offloading

@@ -127,14 +127,17 @@ def offload(
 
     Args:
         module: the component (a diffusers model, a transformers encoder, any ``nn.Module``).
-        route: ``"linear"`` (stream through GPU slots), ``"resident"`` or ``"off"``.
+        route: ``"linear"`` (stream through GPU slots), ``"resident"``, ``"off"``, ``"diffusers"``, or
+            ``"nvme"`` (stream from the safetensors files: only through
+            ``ddo_blocks.from_pretrained(..., route="nvme")``, which knows the files; a module that is
+            already loaded raises ``ConfigError``).
         preset: the route's policy; ``python -m ddo_blocks presets`` lists them. ``"auto"`` chooses.
         vram_budget: bytes or a string such as ``"6GiB"`` for the component's weights on the device
             (activations come on top). ``None``: no limit (everything resident).
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (the same engine, slots in host memory).
         component: a name for reports, e.g. ``"transformer"``.
-        **options: the route's own options (e.g. ``offload_type`` for the diffusers route); a route
-            rejects options it does not know.
+        **options: the route's own options (e.g. ``offload_type`` for the diffusers route,
+            ``ram_budget`` for the nvme route); a route rejects options it does not know.
 
     Returns:
         An :class:`OffloadHandle`.
@@ -153,7 +156,7 @@ def offload(
         raise OffloadStateError(
             f"{type(module).__name__} is already offloaded ({existing!r}); call .remove() on that handle first"
         )
-    if route in ("linear", "resident"):
+    if route in ("linear", "resident", "nvme"):
         from .engine.diffusers_compat import foreign_offload
 
         conflict = foreign_offload(module)
@@ -169,7 +172,7 @@ def offload(
         )
     options = dict(options)
     loader = options.pop("_loader", None)
-    if loader is not None and route != "linear":
+    if loader is not None and route not in _LOADER_ROUTES:
         _materialize(module, loader)  # other routes start from an ordinary CPU module
     elif loader is not None:
         options["_loader"] = loader
@@ -211,6 +214,26 @@ def _linear(module: nn.Module, preset: str, budget: int | None, dev: torch.devic
     return chosen, LinearEngine(module, chosen, budget, dev, loader=loader, units=units_opt)
 
 
+def _nvme(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
+    from .engine.nvme import NvmeEngine
+
+    loader = options.pop("_loader", None)
+    units_opt = options.pop("units", "auto")
+    ram_budget = parse_bytes(options.pop("ram_budget", None), what="ram_budget")
+    if options:
+        raise ConfigError(f"route 'nvme' does not take {', '.join(sorted(options))}; its options are ram_budget and "
+                          "units='auto'|'block'|'child'")
+    chosen = resolve("nvme", preset)
+    if loader is None:
+        raise ConfigError(
+            f"route='nvme' streams weights from the model's safetensors files, and this {type(module).__name__} is "
+            "already loaded (its files are unknown); load it with ddo_blocks.from_pretrained(ModelClass, path, "
+            "route='nvme', ram_budget=..., vram_budget=..., device=...), or use route='linear' for a module in RAM"
+        )
+    return chosen, NvmeEngine(module, chosen, budget, dev, loader=loader, units=units_opt, ram_budget=ram_budget,
+                              ram_auto=preset == "auto")
+
+
 def _resident(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
     _no_options("resident", options)
     engine = ResidentEngine(module, dev)
@@ -227,7 +250,9 @@ def _off(module: nn.Module, preset: str, budget: int | None, dev: torch.device, 
     return resolve("off", preset), OffEngine(module, dev)
 
 
-_ENGINES: dict[str, EngineFactory] = {"linear": _linear, "resident": _resident, "off": _off}
+_ENGINES: dict[str, EngineFactory] = {"linear": _linear, "resident": _resident, "off": _off, "nvme": _nvme}
+_LOADER_ROUTES = ("linear", "nvme")
+"""Routes whose engines read a ``from_pretrained`` model's weights from the files themselves."""
 
 
 def register_route(name: str, factory: EngineFactory) -> None:

@@ -22,6 +22,9 @@ class HostMode(str, enum.Enum):
     PAGEABLE_STAGED = "pageable_staged"
     """Ordinary (pageable) slabs; a background thread moves each unit through a bounded ring of
     small page-locked buffers."""
+    DISK_STAGED = "disk_staged"
+    """Streamed units are read from their safetensors files on every call (a RAM cache of up to
+    ``ram_budget`` bytes excepted) by a reader pool into a bounded ring of page-locked buffers."""
     CALLER = "caller"
     """Nothing is moved: the caller owns placement."""
     RESIDENT = "resident"
@@ -119,6 +122,21 @@ LINEAR_PRESETS: dict[str, Preset] = {
     )
 }
 
+NVME_PRESETS: dict[str, Preset] = {
+    "nvme_baseline": Preset(
+        "nvme",
+        "nvme_baseline",
+        "models larger than RAM (from_pretrained only): streamed units are read from the safetensors "
+        "files every call (O_DIRECT where possible) through a 4 x 64 MiB pinned ring; a static RAM "
+        "cache of ram_budget bytes (default 0; auto: what available RAM allows) keeps some units",
+        HostMode.DISK_STAGED,
+        staging_buffers=4,
+        staging_buffer_mib=64,
+        staging_threads=_staging_threads(),
+        host_ram_ratio="ram_budget + 256 MiB",
+    ),
+}
+
 RESIDENT_PRESETS: dict[str, Preset] = {
     "resident": Preset(
         "resident",
@@ -161,6 +179,7 @@ ROUTES: dict[str, dict[str, Preset]] = {
     "resident": RESIDENT_PRESETS,
     "off": OFF_PRESETS,
     "diffusers": DIFFUSERS_PRESETS,
+    "nvme": NVME_PRESETS,
 }
 """Every route this build implements, with its presets (``auto`` is resolved at attach time)."""
 
@@ -175,6 +194,8 @@ def resolve(route: str, preset: str, *, streamed_bytes: int = 0, available_ram: 
 
     ``auto`` picks, for the linear route: ``wsl_compat`` under WSL; ``one_shot_fast`` when the machine's
     available RAM can page-lock the streamed weights with 25 % to spare; ``low_ram_safe`` otherwise.
+    For the nvme route it is ``nvme_baseline`` with a RAM cache sized from the available RAM (the
+    engine factory sizes it); for other routes, the route's only preset.
 
     Raises:
         ConfigError: unknown route or preset; the message lists the valid ones.
@@ -206,6 +227,11 @@ def describe() -> str:
             lines.append(
                 f"{route:<10} {'auto':<{wp}} {'-':<{wh}} wsl_compat under WSL, else one_shot_fast when "
                 "RAM allows pinning, else low_ram_safe"
+            )
+        if route == "nvme":
+            lines.append(
+                f"{route:<10} {'auto':<{wp}} {'-':<{wh}} nvme_baseline with ram_budget (unless given) "
+                "= half the available RAM, at most the streamed bytes"
             )
         for p in presets.values():
             lines.append(f"{route:<10} {p.name:<{wp}} {p.host_ram_ratio:<{wh}} {p.summary}")

@@ -216,8 +216,9 @@ def build_report(handle: OffloadHandle) -> Report:
         )
         link = engine.link_bytes_per_s
         bound = engine.streamed_bytes / link if link else None
+        disk_bound = getattr(engine, "disk_bound_s", None)  # the nvme route: bytes read from disk per call
         compute = calibrated["compute_s"] if calibrated else None
-        roof = max(compute, bound or 0.0) if compute is not None else None
+        roof = max(compute, bound or 0.0, disk_bound or 0.0) if compute is not None else None
         runtime.update(
             calibrated_predicted_step_s=calibrated["predicted_step_s"] if calibrated else None,
             compute_wait_s=calibrated["measured_wait_s"] if calibrated else None,
@@ -240,4 +241,8 @@ def build_report(handle: OffloadHandle) -> Report:
         "pinned_bytes": pinned,
     }
     data.update(plan=plan, setup=setup, runtime=runtime, memory=memory, roofline=roofline)
+    extra = getattr(engine, "report_extra", None)
+    if callable(extra):  # route-specific fields (the nvme route: RAM cache, disk, disk roofline)
+        for section, fields in extra().items():
+            data[section].update(fields)
     return Report(data)

@@ -28,11 +28,7 @@ FAMILIES = ("flux", "sd3", "wan")
 CACHE_VERSION = "2"
 """Bumped whenever a config below changes, so a stale cache is never reused."""
 
-_WORDS = (
-    "a an the of and in on with at photo painting drawing render cat dog fox owl bird fish tree house "
-    "city forest river mountain lake sky sun moon star night day red green blue yellow white black small "
-    "big old young happy sad cute astronaut horse riding wearing hat sitting on by under over beautiful"
-).split()
+_WORDS = ["a", "an", "the", "of", "and", "in", "on", "with", "at", "photo", "painting", "drawing", "render", "cat", "dog", "fox", "owl", "bird", "fish", "tree", "house", "city", "forest", "river", "mountain", "lake", "sky", "sun", "moon", "star", "night", "day", "red", "green", "blue", "yellow", "white", "black", "small", "big", "old", "young", "happy", "sad", "cute", "astronaut", "horse", "riding", "wearing", "hat", "sitting", "on", "by", "under", "over", "beautiful"]
 
 TINY_CLIP = dict(
     bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=37, layer_norm_eps=1e-5,

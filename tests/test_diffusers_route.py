@@ -88,9 +88,8 @@ def test_vae_decode_goes_through_the_groups(vae):
     z = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = vae.decode(z).sample
-    with ddo_blocks.offload(vae, route="diffusers", preset="diffusers_offload_compat", device="cpu"):
-        with torch.no_grad():
-            assert torch.equal(vae.decode(z).sample, ref)
+    with ddo_blocks.offload(vae, route="diffusers", preset="diffusers_offload_compat", device="cpu"), torch.no_grad():
+        assert torch.equal(vae.decode(z).sample, ref)
 
 
 def test_disk_offload_uses_a_fresh_folder_and_cleans_it(flux, tmp_path):
@@ -170,9 +169,8 @@ def test_missing_accelerate_is_explained(flux, monkeypatch):
 
 
 def test_offload_twice_is_refused(flux):
-    with ddo_blocks.offload(flux, route="diffusers", device="cpu"):
-        with pytest.raises(OffloadStateError):
-            ddo_blocks.offload(flux, route="diffusers", device="cpu")
+    with ddo_blocks.offload(flux, route="diffusers", device="cpu"), pytest.raises(OffloadStateError):
+        ddo_blocks.offload(flux, route="diffusers", device="cpu")
 
 
 @pytest.mark.gpu

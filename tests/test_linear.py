@@ -129,8 +129,8 @@ def test_every_streamed_unit_is_entered(flux, vae, units):
         handle = ddo_blocks.offload(model, vram_budget=budgets(model, units)["all_streamed"], device="cpu", units=units)
         for unit in handle.engine.units:
             assert not isinstance(unit.module, (torch.nn.ModuleList, torch.nn.ModuleDict)), unit.name
-        entered = set()
-        hooks = [u.module.register_forward_pre_hook(lambda m, a, i=i: entered.add(i))
+        entered: set[int] = set()
+        hooks = [u.module.register_forward_pre_hook(lambda m, a, i=i, seen=entered: seen.add(i))
                  for i, u in enumerate(handle.engine.streamed)]
         with torch.no_grad():
             run()

@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from diffusers.modular_pipelines import ConditionalPipelineBlocks, ModularPipelineBlocks, OutputParam, PipelineState
+from diffusers.modular_pipelines import (
+    ConditionalPipelineBlocks,
+    ModularPipelineBlocks,
+    OutputParam,
+    PipelineState,
+)
 from torch import nn
 
 from ..api import OffloadHandle, get_handle, offload, resolve_device
@@ -401,7 +406,7 @@ def remove_offload(pipe: Any) -> int:
     """Removes every offload the DDO blocks of ``pipe`` (a ``ModularPipeline``) made and restores its
     components. Returns how many were removed."""
     removed = 0
-    for name, module in getattr(pipe, "components", {}).items():
+    for module in getattr(pipe, "components", {}).values():
         if not isinstance(module, nn.Module):
             continue
         handle = get_handle(module)

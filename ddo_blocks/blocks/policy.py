@@ -13,8 +13,9 @@ policy (``{"text_encoder": "resident", "text_encoder_2": {"route": "diffusers"}}
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -23,8 +24,10 @@ from ..errors import ConfigError
 from ..presets import ROUTES, resolve
 
 POLICY_KEYS = ("route", "preset", "vram_budget", "release")
-ROUTE_OPTIONS: dict[str, tuple[str, ...]] = {}
-"""Options each route accepts besides the policy keys (filled in below for the diffusers route)."""
+ROUTE_OPTIONS: dict[str, tuple[str, ...]] = {"nvme": ("ram_budget",)}
+"""Options each route accepts besides the policy keys (the diffusers route's come from its engine).
+The nvme route needs the model's files, so a block's already-loaded component cannot use it:
+placing one raises ConfigError pointing to ``ddo_blocks.from_pretrained(..., route="nvme")``."""
 
 
 def _route_options(route: str) -> tuple[str, ...]:

@@ -195,11 +195,17 @@ class LinearEngine:
         self.slabs = SlabSet(self.streamed, pin=pin, ordinal=ordinal, keep_warm=self.preset.keep_warm)
         self.slabs.pack(self.loader)
 
+    def _streamed_layout(self) -> tuple[list[list[int]], list[int]]:
+        """Per streamed unit: its tensors' byte offsets in a slot, and its slot bytes."""
+        assert self.slabs is not None
+        return self.slabs.param_offsets, self.slabs.unit_nbytes
+
     def _build_slots(self) -> None:
         if not self.streamed:
             return
         self.n_slots = max(1, min(int(self.plan["slots"]), len(self.streamed)))
-        self.slot_bytes = max(self.slabs.unit_nbytes) if self.slabs else 0
+        param_offsets, unit_nbytes = self._streamed_layout()
+        self.slot_bytes = max(unit_nbytes)
         self.slot_storage = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
         self.slot_views = []
         for u, unit in enumerate(self.streamed):
@@ -207,11 +213,15 @@ class LinearEngine:
             for s in range(self.n_slots):
                 base = self.slot_storage[s * self.slot_bytes : (s + 1) * self.slot_bytes]
                 views = []
-                for (_, p), off in zip(unit.params, self.slabs.param_offsets[u]):
+                for (_, p), off in zip(unit.params, param_offsets[u]):
                     n = tensor_nbytes(p)
                     views.append(base[off : off + n].view(p.dtype).view(p.shape))
                 per_slot.append(views)
             self.slot_views.append(per_slot)
+        self.transport = self._make_transport()
+        self._free = collections.deque(range(self.n_slots))
+
+    def _make_transport(self) -> Any:
         staging = None
         if self.preset.host is HostMode.PAGEABLE_STAGED:
             staging = (
@@ -221,10 +231,7 @@ class LinearEngine:
                 True,
             )
         copy_stream = self._copy_stream.cuda_stream if self._copy_stream is not None else 0
-        self.transport = _native.Transport(
-            self.device.type, self.device.index or 0, self.n_slots, copy_stream, staging
-        )
-        self._free = collections.deque(range(self.n_slots))
+        return _native.Transport(self.device.type, self.device.index or 0, self.n_slots, copy_stream, staging)
 
     def _install_hooks(self) -> None:
         # Root hooks first: when the root is itself a unit, the call starts before the unit does.
@@ -243,8 +250,8 @@ class LinearEngine:
         engine = self
 
         def entry(*args: Any, **kwargs: Any) -> Any:
-            engine._enter()
             try:
+                engine._enter()  # inside: _exit undoes a failed _enter, as the always_call hook does
                 return method(*args, **kwargs)
             finally:
                 engine._exit()
@@ -323,6 +330,10 @@ class LinearEngine:
         for (_, p), v in zip(unit.params, views):
             p.data = v
 
+    def _park(self, u: int) -> None:
+        """Points a streamed unit's parameters back at their host copies after it ran."""
+        self._bind(self.streamed[u], self.slabs.host_views[u])
+
     def _make_pre(self, u: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any) -> None:
             self._unit_start(u)
@@ -367,7 +378,7 @@ class LinearEngine:
         if self._calibrating:
             self._calibration.unit_end(self.streamed[u].index)
         self.transport.release(slot, self._compute_stream())
-        self._bind(self.streamed[u], self.slabs.host_views[u])
+        self._park(u)
         self._free.append(slot)
         self._topup()
 
@@ -433,10 +444,7 @@ class LinearEngine:
         if cal is None or cal.end is None:
             return None
         measured = cal.resolve(len(self.units))
-        step, _, wait, _ = _native.simulate(
-            self.unit_bytes, measured["unit_compute_s"], list(self.plan["resident"]), max(self.n_slots, 1),
-            self.link_bytes_per_s, 4,
-        )
+        step, wait = self._simulate(measured["unit_compute_s"])
         return {
             "predicted_step_s": step + measured["rest_s"],
             "predicted_wait_s": wait,
@@ -444,6 +452,14 @@ class LinearEngine:
             "measured_wait_s": measured["wait_s"],
             "calibration_call_s": measured["call_s"],
         }
+
+    def _simulate(self, unit_compute_s: list[float]) -> tuple[float, float]:
+        """The simulator's steady step and compute wait for this plan with the given compute times."""
+        step, _, wait, _ = _native.simulate(
+            self.unit_bytes, unit_compute_s, list(self.plan["resident"]), max(self.n_slots, 1),
+            self.link_bytes_per_s, 4,
+        )
+        return step, wait
 
     # ---------------------------------------------------------------------------------------------
     @property

@@ -9,6 +9,9 @@
 //! - [`planner`] and [`mod@simulate`]: deciding which units stay resident and
 //!   how many slots stream the rest under a VRAM budget, scored by a
 //!   discrete-event model of a copy stream and a compute stream;
+//! - [`cache`]: the NVMe route's RAM cache (which streamed units stay in
+//!   host RAM, the rest re-read from disk every pass), and [`reads`]: the
+//!   coalesced, aligned read plan of a unit streamed from files;
 //! - [`metrics`]: lock-free transfer counters.
 //!
 //! Every fallible function returns [`Result`] with a [`CoreError`] whose
@@ -19,15 +22,18 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod cache;
 pub mod dtype;
 pub mod error;
 pub mod index;
 pub mod layout;
 pub mod metrics;
 pub mod planner;
+pub mod reads;
 pub mod simulate;
 pub mod units;
 
+pub use cache::{plan_ram_cache, RamCachePlan, RamCacheRequest};
 pub use dtype::{dtype_bits, dtype_size, KNOWN_DTYPES};
 pub use error::{CoreError, Result};
 pub use index::{parse_header, read_shard_index, Header, SafetensorsIndex, TensorInfo};
@@ -36,5 +42,6 @@ pub use layout::{
 };
 pub use metrics::{Counters, CountersSnapshot};
 pub use planner::{minimum_budget, plan, MinimumBudget, Plan, PlanRequest};
-pub use simulate::{simulate, SimResult};
+pub use reads::{plan_reads, ChunkCopy, ReadChunk, ReadPiece};
+pub use simulate::{simulate, simulate_disk, SimResult};
 pub use units::fmt_bytes;

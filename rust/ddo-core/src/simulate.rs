@@ -40,6 +40,72 @@ pub fn simulate(
     link_bytes_per_s: f64,
     passes: usize,
 ) -> SimResult {
+    run(
+        unit_bytes,
+        unit_compute_s,
+        resident,
+        slots,
+        passes,
+        |_, bytes| transfer_s(bytes, link_bytes_per_s),
+    )
+}
+
+/// [`simulate`] with a disk behind the link (the NVMe route): the streamed units flagged in
+/// `from_disk` are read from disk and uploaded in chunks through one staging thread, so their
+/// copy takes `bytes / min(link, disk)`; the others come from host RAM at the link's speed.
+///
+/// The model is conservative: a disk read starts only when the link is idle and the unit's slot
+/// is free, although the staging ring lets reads run ahead by its size.
+#[allow(clippy::too_many_arguments)]
+pub fn simulate_disk(
+    unit_bytes: &[u64],
+    unit_compute_s: &[f64],
+    resident: &[bool],
+    from_disk: &[bool],
+    slots: usize,
+    link_bytes_per_s: f64,
+    disk_bytes_per_s: f64,
+    passes: usize,
+) -> SimResult {
+    let slow = if disk_bytes_per_s.is_finite() && disk_bytes_per_s > 0.0 {
+        disk_bytes_per_s.min(link_bytes_per_s)
+    } else {
+        0.0
+    };
+    run(
+        unit_bytes,
+        unit_compute_s,
+        resident,
+        slots,
+        passes,
+        |i, bytes| {
+            if from_disk.get(i).copied().unwrap_or(false) {
+                transfer_s(bytes, slow)
+            } else {
+                transfer_s(bytes, link_bytes_per_s)
+            }
+        },
+    )
+}
+
+fn transfer_s(bytes: u64, rate: f64) -> f64 {
+    if bytes == 0 {
+        0.0
+    } else if rate.is_finite() && rate > 0.0 {
+        bytes as f64 / rate
+    } else {
+        f64::INFINITY
+    }
+}
+
+fn run(
+    unit_bytes: &[u64],
+    unit_compute_s: &[f64],
+    resident: &[bool],
+    slots: usize,
+    passes: usize,
+    copy_s: impl Fn(usize, u64) -> f64,
+) -> SimResult {
     let slots = slots.max(1);
     let passes = passes.max(1);
     let compute = |i: usize| {
@@ -48,15 +114,6 @@ pub fn simulate(
             .copied()
             .filter(|c| c.is_finite() && *c >= 0.0)
             .unwrap_or(0.0)
-    };
-    let copy_s = |bytes: u64| {
-        if bytes == 0 {
-            0.0
-        } else if link_bytes_per_s.is_finite() && link_bytes_per_s > 0.0 {
-            bytes as f64 / link_bytes_per_s
-        } else {
-            f64::INFINITY
-        }
     };
 
     // done[j % slots]: compute end of the j-th streamed unit (ring buffer).
@@ -78,7 +135,7 @@ pub fn simulate(
             }
             let slot = fetched % slots;
             let slot_free = if fetched >= slots { done[slot] } else { 0.0 };
-            let duration = copy_s(bytes);
+            let duration = copy_s(i, bytes);
             let arrived = link_free.max(slot_free) + duration;
             link_free = arrived;
             busy += duration;
@@ -148,6 +205,33 @@ mod tests {
         let r = simulate(&bytes, &compute, &[false; 10], 2, 100.0, 4);
         assert!(close(r.step_s, 50.0), "{r:?}");
         assert!(close(r.compute_wait_s, 0.0));
+    }
+
+    #[test]
+    fn disk_units_copy_at_the_slower_rate() {
+        let bytes = vec![100; 4];
+        let compute = vec![0.0; 4];
+        let none = [false; 4];
+        let all = simulate_disk(&bytes, &compute, &none, &[true; 4], 2, 100.0, 50.0, 4);
+        assert!(close(all.step_s, 8.0), "{all:?}");
+        let half = simulate_disk(
+            &bytes,
+            &compute,
+            &none,
+            &[true, false, true, false],
+            2,
+            100.0,
+            50.0,
+            4,
+        );
+        assert!(close(half.step_s, 6.0), "{half:?}");
+        let cached = simulate_disk(&bytes, &compute, &none, &none, 2, 100.0, 50.0, 4);
+        assert_eq!(cached, simulate(&bytes, &compute, &none, 2, 100.0, 4));
+        // a disk faster than the link changes nothing
+        let fast = simulate_disk(&bytes, &compute, &none, &[true; 4], 2, 100.0, 1e9, 4);
+        assert_eq!(fast, cached);
+        let broken = simulate_disk(&bytes, &compute, &none, &[true; 4], 2, 100.0, f64::NAN, 2);
+        assert!(!broken.step_s.is_finite());
     }
 
     #[test]

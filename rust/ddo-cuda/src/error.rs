@@ -19,6 +19,9 @@ pub enum CudaError {
     /// A caller passed an argument the layer cannot use.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// Reading weights from a file failed (missing, truncated or unreadable while offloaded).
+    #[error("reading weights from disk failed: {0}")]
+    Read(String),
     /// The background staging thread stopped.
     #[error("staging thread failed: {0}")]
     Staging(String),

@@ -13,6 +13,7 @@ mod driver;
 mod error;
 mod event;
 mod host;
+mod reader;
 mod stager;
 mod transport;
 
@@ -20,4 +21,5 @@ pub use driver::{device_count, driver_version, init, make_current, unavailable_r
 pub use error::{CudaError, Result};
 pub use event::Event;
 pub use host::{copy_host, copy_host_many, read_file_into, HostBuffer, HostRegistration};
+pub use reader::{measure_read_bandwidth, DiskProbe, ReadFile, ALIGN as READ_ALIGN};
 pub use transport::{Staging, Target, Transport, TransportStats};

@@ -2,6 +2,13 @@
 //! small page-locked buffers into GPU slots (or, on the CPU target, through ordinary buffers into
 //! host slots). Used by presets that do not page-lock the weights themselves.
 //!
+//! A job's source is either a host address or, for the NVMe route, a [`FileUnit`]: the unit's
+//! coalesced, aligned read plan over its files. File chunks are read by the reader pool straight
+//! into a ring buffer (`O_DIRECT` where allowed) and copied from there into the slot, so disk
+//! reads, host-to-device copies and compute overlap. With `stage_host` off, host-address jobs
+//! (page-locked RAM-cache slabs) are copied straight to the slot by this thread, in FIFO order
+//! with the file jobs.
+//!
 //! Ordering: for each job the thread makes the copy stream wait for the slot's "consumed" event,
 //! then for each chunk waits (host side) until the buffer's previous upload finished, fills it on a
 //! dedicated rayon pool, queues the upload and records the buffer's event; at the end it records
@@ -11,18 +18,39 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
+use ddo_core::ReadChunk;
+
 use crate::driver::make_current;
 use crate::error::{CudaError, Result};
 use crate::event::Event;
 use crate::host::{copy_host, HostBuffer};
+use crate::reader::ReadFile;
 use crate::transport::{h2d_async, SlotEvents, Staging, Target};
 
-#[derive(Debug, Clone, Copy)]
+/// A unit streamed from files: its read plan, each chunk with the file it reads.
+#[derive(Debug)]
+pub(crate) struct FileUnit {
+    pub chunks: Vec<(Arc<ReadFile>, ReadChunk)>,
+    /// Bytes copied into the slot per fetch.
+    pub copy_bytes: u64,
+    /// Bytes read from disk per fetch (with alignment padding).
+    pub read_bytes: u64,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum Source {
+    /// `n` bytes at a host address.
+    Host(usize),
+    /// A unit read from its files.
+    File(Arc<FileUnit>),
+}
+
+#[derive(Debug, Clone)]
 pub(crate) struct Job {
     pub slot: usize,
     pub dst: usize,
-    pub src: usize,
     pub n: usize,
+    pub source: Source,
 }
 
 #[derive(Default)]
@@ -49,6 +77,20 @@ struct Ring {
     /// One event per buffer on the CUDA target: its last upload.
     uploaded: Vec<Event>,
     next: usize,
+    /// Host-address jobs pass through the ring (pageable sources); else straight to the slot.
+    stage_host: bool,
+}
+
+impl Ring {
+    /// The next buffer, once its previous upload has finished.
+    fn take(&mut self) -> Result<usize> {
+        let b = self.next;
+        self.next = (self.next + 1) % self.buffers.len();
+        if let Some(ev) = self.uploaded.get(b) {
+            ev.synchronize()?;
+        }
+        Ok(b)
+    }
 }
 
 impl Stager {
@@ -81,6 +123,7 @@ impl Stager {
             buffers,
             uploaded,
             next: 0,
+            stage_host: staging.stage_host,
         };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(staging.threads.max(1))
@@ -135,9 +178,25 @@ impl Stager {
         }
     }
 
-    /// Blocks until every submitted job is done.
+    /// Blocks until every submitted job is done: processed, or skipped after an error (so that no
+    /// upload is still queued from this thread), then returns the first error, if any.
     pub fn wait_all(&self) -> Result<()> {
-        self.wait(self.submitted)
+        let mut state = self
+            .shared
+            .state
+            .lock()
+            .map_err(|_| CudaError::Staging("state poisoned".into()))?;
+        while state.done < self.submitted {
+            state = self
+                .shared
+                .cv
+                .wait(state)
+                .map_err(|_| CudaError::Staging("state poisoned".into()))?;
+        }
+        match &state.error {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
     }
 }
 
@@ -205,24 +264,64 @@ fn run_job(
     if let (Some(s), Some(ev)) = (stream, events) {
         ev.consumed[job.slot].wait_on(s)?;
     }
-    let mut off = 0usize;
-    while off < job.n {
-        let b = ring.next;
-        ring.next = (ring.next + 1) % ring.buffers.len();
-        let buf = &ring.buffers[b];
-        let len = buf.len().min(job.n - off);
-        if let Some(ev) = ring.uploaded.get(b) {
-            ev.synchronize()?;
-        }
-        pool.install(|| copy_host(buf.ptr(), job.src + off, len));
+    // Copies `len` bytes from host address `src` into the slot at `dst`: queued on the copy stream
+    // (CUDA) or done now (CPU).
+    let put = |dst: usize, src: usize, len: usize| -> Result<()> {
         match stream {
-            Some(s) => {
-                h2d_async(job.dst + off, buf.ptr(), len, s)?;
-                ring.uploaded[b].record(s)?;
+            Some(s) => h2d_async(dst, src, len, s),
+            None => {
+                copy_host(dst, src, len);
+                Ok(())
             }
-            None => copy_host(job.dst + off, buf.ptr(), len),
         }
-        off += len;
+    };
+    match &job.source {
+        Source::Host(src) if !ring.stage_host => put(job.dst, *src, job.n)?,
+        Source::Host(src) => {
+            let mut off = 0usize;
+            while off < job.n {
+                let b = ring.take()?;
+                let buf = &ring.buffers[b];
+                let len = buf.len().min(job.n - off);
+                pool.install(|| copy_host(buf.ptr(), src + off, len));
+                put(job.dst + off, buf.ptr(), len)?;
+                if let (Some(s), Some(ev)) = (stream, ring.uploaded.get(b)) {
+                    ev.record(s)?;
+                }
+                off += len;
+            }
+        }
+        Source::File(unit) => {
+            for (file, chunk) in &unit.chunks {
+                let b = ring.take()?;
+                let buf = &ring.buffers[b];
+                if chunk.len as usize > buf.len() {
+                    return Err(CudaError::InvalidArgument(format!(
+                        "a read chunk of {} bytes does not fit a {}-byte staging buffer",
+                        chunk.len,
+                        buf.len()
+                    )));
+                }
+                pool.install(|| {
+                    file.read_chunk(
+                        chunk.offset,
+                        chunk.len as usize,
+                        chunk.needed as usize,
+                        buf.ptr(),
+                    )
+                })?;
+                for c in &chunk.copies {
+                    put(
+                        job.dst + c.dst as usize,
+                        buf.ptr() + c.buf_off as usize,
+                        c.len as usize,
+                    )?;
+                }
+                if let (Some(s), Some(ev)) = (stream, ring.uploaded.get(b)) {
+                    ev.record(s)?;
+                }
+            }
+        }
     }
     if let (Some(s), Some(ev)) = (stream, events) {
         ev.arrived[job.slot].record(s)?;

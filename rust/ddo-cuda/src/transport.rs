@@ -6,6 +6,7 @@
 //! compute stream after the unit ran; the next copy into the slot waits on it (GPU side). The host
 //! never synchronises the device in the steady state.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,7 +15,8 @@ use cudarc::driver::sys;
 use crate::driver::{check, make_current, Stream};
 use crate::error::{CudaError, Result};
 use crate::event::Event;
-use crate::stager::{Job, Stager};
+use crate::reader::{ReadFile, ALIGN};
+use crate::stager::{FileUnit, Job, Source, Stager};
 
 /// Where the slots live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +36,9 @@ pub struct Staging {
     pub threads: usize,
     /// Page-lock the ring's buffers (always on the CUDA target unless a preset forbids it).
     pub pinned: bool,
+    /// Pass host-address sources through the ring (they are pageable). When false they are
+    /// page-locked and copied straight into the slot, in order with the file jobs (NVMe route).
+    pub stage_host: bool,
 }
 
 /// Counters a report reads.
@@ -43,6 +48,9 @@ pub struct TransportStats {
     pub bytes: u64,
     /// Host nanoseconds spent in `acquire` waiting for the staging thread.
     pub host_wait_ns: u64,
+    /// Fetches whose source was a file, and the bytes they read from disk (alignment included).
+    pub file_fetches: u64,
+    pub disk_bytes: u64,
 }
 
 pub(crate) struct SlotEvents {
@@ -55,9 +63,12 @@ pub struct Transport {
     slots: usize,
     events: Option<Arc<SlotEvents>>,
     stager: Option<Stager>,
+    staging: Option<Staging>,
     /// Staging job sequence number of the last fetch into each slot.
     pending: Vec<u64>,
     stats: TransportStats,
+    files: Vec<Arc<ReadFile>>,
+    file_units: Vec<Arc<FileUnit>>,
 }
 
 impl Transport {
@@ -84,8 +95,11 @@ impl Transport {
             slots,
             events,
             stager,
+            staging,
             pending: vec![0; slots],
             stats: TransportStats::default(),
+            files: Vec::new(),
+            file_units: Vec::new(),
         })
     }
 
@@ -121,7 +135,12 @@ impl Transport {
         self.stats.fetches += 1;
         self.stats.bytes += n as u64;
         if let Some(stager) = self.stager.as_mut() {
-            self.pending[slot] = stager.submit(Job { slot, dst, src, n })?;
+            self.pending[slot] = stager.submit(Job {
+                slot,
+                dst,
+                n,
+                source: Source::Host(src),
+            })?;
             return Ok(());
         }
         match (self.target, self.events.as_deref()) {
@@ -136,6 +155,77 @@ impl Transport {
                 Ok(())
             }
         }
+    }
+
+    /// Opens a weight file for [`Transport::add_file_unit`]; returns its index. `O_DIRECT` is used
+    /// where the filesystem allows it (and `allow_direct`).
+    pub fn open_file(&mut self, path: &Path, allow_direct: bool) -> Result<usize> {
+        self.files
+            .push(Arc::new(ReadFile::open(path, allow_direct)?));
+        Ok(self.files.len() - 1)
+    }
+
+    /// Whether reads of file `index` bypass the page cache.
+    pub fn file_is_direct(&self, index: usize) -> Option<bool> {
+        self.files.get(index).map(|f| f.is_direct())
+    }
+
+    /// Registers a unit streamed from files: `pieces` (file index, file offset, bytes, offset in
+    /// the slot), one per tensor. Adjacent ranges are coalesced into aligned reads of at most one
+    /// staging buffer (gaps up to `max_gap` bytes are read through). Returns the unit's index.
+    /// Needs a staging ring.
+    pub fn add_file_unit(&mut self, pieces: &[ddo_core::ReadPiece], max_gap: u64) -> Result<usize> {
+        let staging = self.staging.ok_or_else(|| {
+            CudaError::InvalidArgument("units read from files need a staging ring".into())
+        })?;
+        if let Some(p) = pieces.iter().find(|p| p.file >= self.files.len()) {
+            return Err(CudaError::InvalidArgument(format!(
+                "file index {} out of range ({} files open)",
+                p.file,
+                self.files.len()
+            )));
+        }
+        let chunks =
+            ddo_core::plan_reads(pieces, ALIGN as u64, staging.buffer_bytes as u64, max_gap)
+                .map_err(|e| CudaError::InvalidArgument(e.to_string()))?;
+        let copy_bytes = pieces.iter().map(|p| p.len).sum();
+        let read_bytes = chunks.iter().map(|c| c.len).sum();
+        let chunks = chunks
+            .into_iter()
+            .map(|c| (Arc::clone(&self.files[c.file]), c))
+            .collect();
+        self.file_units.push(Arc::new(FileUnit {
+            chunks,
+            copy_bytes,
+            read_bytes,
+        }));
+        Ok(self.file_units.len() - 1)
+    }
+
+    /// Starts filling `slot` (at address `dst`) with file unit `unit`, read from disk through the
+    /// staging ring, after the slot's previous unit was consumed. Returns without waiting.
+    pub fn fetch_file(&mut self, slot: usize, dst: usize, unit: usize) -> Result<()> {
+        self.check_slot(slot)?;
+        let fu = self.file_units.get(unit).cloned().ok_or_else(|| {
+            CudaError::InvalidArgument(format!(
+                "file unit {unit} out of range ({} registered)",
+                self.file_units.len()
+            ))
+        })?;
+        let stager = self.stager.as_mut().ok_or_else(|| {
+            CudaError::InvalidArgument("units read from files need a staging ring".into())
+        })?;
+        self.stats.fetches += 1;
+        self.stats.bytes += fu.copy_bytes;
+        self.stats.file_fetches += 1;
+        self.stats.disk_bytes += fu.read_bytes;
+        self.pending[slot] = stager.submit(Job {
+            slot,
+            dst,
+            n: fu.copy_bytes as usize,
+            source: Source::File(fu),
+        })?;
+        Ok(())
     }
 
     /// Makes `compute_stream` wait until the last fetch into `slot` has landed.
@@ -164,10 +254,12 @@ impl Transport {
     }
 
     /// Blocks until every fetch issued so far has completed (used before slots or sources are freed).
+    /// A staging error is returned only after the copy stream has drained too.
     pub fn drain(&mut self) -> Result<()> {
-        if let Some(stager) = self.stager.as_ref() {
-            stager.wait_all()?;
-        }
+        let staged = match self.stager.as_ref() {
+            Some(stager) => stager.wait_all(),
+            None => Ok(()),
+        };
         if let Target::Cuda { copy_stream, .. } = self.target {
             self.bind()?;
             // SAFETY: the stream handle is owned by PyTorch and alive while the transport is.
@@ -177,7 +269,7 @@ impl Transport {
                 "draining copies",
             )?;
         }
-        Ok(())
+        staged
     }
 }
 
@@ -240,7 +332,119 @@ mod tests {
             buffer_bytes: 4096,
             threads: 2,
             pinned: false,
+            stage_host: true,
         }));
+    }
+
+    #[test]
+    fn cpu_direct_host_jobs_through_the_stager() {
+        roundtrip(Some(Staging {
+            buffers: 2,
+            buffer_bytes: 4096,
+            threads: 1,
+            pinned: false,
+            stage_host: false,
+        }));
+    }
+
+    fn file_units(direct: bool) {
+        let dir =
+            std::env::temp_dir().join(format!("ddo-transport-{}-{direct}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data: Vec<Vec<u8>> = (0..2)
+            .map(|f| {
+                (0..300_001)
+                    .map(|i| ((i * 13 + f * 5) % 241) as u8)
+                    .collect()
+            })
+            .collect();
+        let mut t = Transport::new(
+            Target::Cpu,
+            2,
+            Some(Staging {
+                buffers: 3,
+                buffer_bytes: 3 * 4096 + 1,
+                threads: 2,
+                pinned: false,
+                stage_host: false,
+            }),
+        )
+        .unwrap();
+        for (f, d) in data.iter().enumerate() {
+            let p = dir.join(format!("{f}.bin"));
+            std::fs::write(&p, d).unwrap();
+            assert_eq!(t.open_file(&p, direct).unwrap(), f);
+        }
+        let piece = |file, offset, len, dst| ddo_core::ReadPiece {
+            file,
+            offset,
+            len,
+            dst,
+        };
+        // unit 0: two adjacent tensors of file 0 and one of file 1; unit 1: the tail of file 1
+        let u0 = t
+            .add_file_unit(
+                &[
+                    piece(0, 7, 10_000, 0),
+                    piece(0, 10_007, 50_000, 10_240),
+                    piece(1, 100, 999, 60_416),
+                ],
+                0,
+            )
+            .unwrap();
+        let u1 = t
+            .add_file_unit(&[piece(1, 200_001, 100_000, 0)], 0)
+            .unwrap();
+        let host: Vec<u8> = (0..5000).map(|i| (i % 7) as u8).collect();
+        let mut slots = vec![vec![0u8; 100_000]; 2];
+        for round in 0..3 {
+            let s = round % 2;
+            let dst = slots[s].as_mut_ptr() as usize;
+            t.fetch_file(s, dst, u0).unwrap();
+            t.fetch_file(1 - s, slots[1 - s].as_mut_ptr() as usize, u1)
+                .unwrap();
+            t.acquire(s, Stream(0)).unwrap();
+            t.acquire(1 - s, Stream(0)).unwrap();
+            assert_eq!(&slots[s][..10_000], &data[0][7..10_007]);
+            assert_eq!(&slots[s][10_240..60_240], &data[0][10_007..60_007]);
+            assert_eq!(&slots[s][60_416..61_415], &data[1][100..1099]);
+            assert_eq!(&slots[1 - s][..], &data[1][200_001..]);
+            t.release(s, Stream(0)).unwrap();
+            t.release(1 - s, Stream(0)).unwrap();
+            // host (RAM-cache) sources interleave with file sources
+            t.fetch(s, dst, host.as_ptr() as usize, host.len()).unwrap();
+            t.acquire(s, Stream(0)).unwrap();
+            assert_eq!(&slots[s][..5000], &host[..]);
+            t.release(s, Stream(0)).unwrap();
+        }
+        t.drain().unwrap();
+        assert_eq!(t.stats().file_fetches, 6);
+        assert!(t.stats().disk_bytes >= 3 * (60_999 + 100_000));
+        // truncating a file makes the next read of it a read error
+        std::fs::write(dir.join("1.bin"), &data[1][..1000]).unwrap();
+        t.fetch_file(0, slots[0].as_mut_ptr() as usize, u1).unwrap();
+        let err = t.acquire(0, Stream(0)).unwrap_err();
+        assert!(matches!(err, CudaError::Read(_)), "{err}");
+        assert!(err.to_string().contains("1.bin"), "{err}");
+        drop(t);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn cpu_file_units_buffered() {
+        file_units(false);
+    }
+
+    #[test]
+    fn cpu_file_units_direct_where_allowed() {
+        file_units(true);
+    }
+
+    #[test]
+    fn file_units_need_a_ring_and_valid_indices() {
+        let mut t = Transport::new(Target::Cpu, 2, None).unwrap();
+        assert!(t.add_file_unit(&[], 0).is_err());
+        assert!(t.fetch_file(0, 0, 0).is_err());
     }
 
     #[test]
@@ -262,6 +466,7 @@ mod tests {
                 buffer_bytes: 1,
                 threads: 1,
                 pinned: false,
+                stage_host: true,
             }),
         );
         assert!(err.is_err());

@@ -85,6 +85,7 @@ pub(crate) fn cuda_err(e: RawCudaError) -> PyErr {
         RawCudaError::NotAvailable(_) => CudaNotAvailableError::new_err(msg),
         RawCudaError::OutOfMemory(_) => OffloadMemoryError::new_err(msg),
         RawCudaError::InvalidArgument(_) => ConfigError::new_err(msg),
+        RawCudaError::Read(_) => CheckpointError::new_err(msg),
         RawCudaError::Driver { .. } | RawCudaError::Staging(_) => CudaError::new_err(msg),
     }
 }

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use pyo3::prelude::*;
 
-use crate::errors::{core_err, CheckpointError};
+use crate::errors::{core_err, cuda_err, CheckpointError};
 
 /// A validated safetensors file, memory-mapped read-only.
 #[pyclass(module = "ddo_blocks._native", frozen)]
@@ -85,6 +85,23 @@ fn read_file_into(
         .map_err(|e| CheckpointError::new_err(format!("reading {}: {e}", path.display())))
 }
 
+/// Measures the disk's read bandwidth on `path`: reads up to `max_bytes` from its start with the
+/// NVMe route's reader (`threads` readers, O_DIRECT where the filesystem allows it), GIL released.
+/// Returns `(bytes_per_s, bytes_read, direct)`.
+#[pyfunction]
+#[pyo3(signature = (path, max_bytes=64 << 20, threads=8))]
+fn measure_disk_read(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    max_bytes: u64,
+    threads: usize,
+) -> PyResult<(f64, u64, bool)> {
+    let p = py
+        .detach(|| ddo_cuda::measure_read_bandwidth(&path, max_bytes, threads))
+        .map_err(cuda_err)?;
+    Ok((p.bytes_per_s, p.bytes, p.direct))
+}
+
 /// Reads a `*.safetensors.index.json`: `{tensor name: shard file name}`.
 #[pyfunction]
 fn read_shard_index(
@@ -99,5 +116,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SafetensorsIndex>()?;
     m.add_function(wrap_pyfunction!(read_shard_index, m)?)?;
     m.add_function(wrap_pyfunction!(read_file_into, m)?)?;
+    m.add_function(wrap_pyfunction!(measure_disk_read, m)?)?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! The planner, the simulator and the slab layout.
 
-use ddo_core::{PlanRequest, SimResult};
+use ddo_core::{PlanRequest, RamCacheRequest, SimResult};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -46,6 +46,47 @@ fn plan<'py>(
     Ok(d)
 }
 
+/// Chooses the streamed units kept in host RAM (the NVMe route's cache); the rest are re-read from
+/// disk every pass. Returns a dict with the fields of `ddo_core::RamCachePlan`.
+#[pyfunction]
+#[pyo3(signature = (unit_bytes, *, unit_compute_s, resident, slots, ram_budget_bytes, link_bytes_per_s, disk_bytes_per_s))]
+#[allow(clippy::too_many_arguments)]
+fn plan_ram_cache<'py>(
+    py: Python<'py>,
+    unit_bytes: Vec<u64>,
+    unit_compute_s: Vec<f64>,
+    resident: Vec<bool>,
+    slots: usize,
+    ram_budget_bytes: u64,
+    link_bytes_per_s: f64,
+    disk_bytes_per_s: f64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let req = RamCacheRequest {
+        unit_bytes,
+        unit_compute_s,
+        resident,
+        slots,
+        ram_budget_bytes,
+        link_bytes_per_s,
+        disk_bytes_per_s,
+    };
+    let p = py
+        .detach(|| ddo_core::plan_ram_cache(&req))
+        .map_err(core_err)?;
+    let d = PyDict::new(py);
+    d.set_item("cached", p.cached)?;
+    d.set_item("from_disk", p.from_disk)?;
+    d.set_item("cached_bytes", p.cached_bytes)?;
+    d.set_item("disk_bytes", p.disk_bytes)?;
+    d.set_item("streamed_bytes", p.streamed_bytes)?;
+    d.set_item("predicted_step_s", p.predicted_step_s)?;
+    d.set_item("compute_s", p.compute_s)?;
+    d.set_item("disk_bound_s", p.disk_bound_s)?;
+    d.set_item("link_bound_s", p.link_bound_s)?;
+    d.set_item("bound_s", p.bound_s)?;
+    Ok(d)
+}
+
 /// The smallest VRAM budget that yields a valid plan, in bytes.
 #[pyfunction]
 #[pyo3(signature = (unit_bytes, base_bytes, min_slots=2))]
@@ -54,8 +95,10 @@ fn minimum_budget(unit_bytes: Vec<u64>, base_bytes: u64, min_slots: usize) -> u6
 }
 
 /// Simulates the copy and compute streams; returns `(step_s, first_pass_s, compute_wait_s, link_busy_s)`.
+/// With `from_disk` and `disk_bytes_per_s` (the NVMe route), the flagged units are read from disk.
 #[pyfunction]
-#[pyo3(signature = (unit_bytes, unit_compute_s, resident, slots, link_bytes_per_s, passes=3))]
+#[pyo3(signature = (unit_bytes, unit_compute_s, resident, slots, link_bytes_per_s, passes=3, from_disk=None, disk_bytes_per_s=None))]
+#[allow(clippy::too_many_arguments)]
 fn simulate(
     unit_bytes: Vec<u64>,
     unit_compute_s: Vec<f64>,
@@ -63,21 +106,36 @@ fn simulate(
     slots: usize,
     link_bytes_per_s: f64,
     passes: usize,
+    from_disk: Option<Vec<bool>>,
+    disk_bytes_per_s: Option<f64>,
 ) -> (f64, f64, f64, f64) {
+    let r = match (from_disk, disk_bytes_per_s) {
+        (Some(disk), Some(bw)) => ddo_core::simulate_disk(
+            &unit_bytes,
+            &unit_compute_s,
+            &resident,
+            &disk,
+            slots,
+            link_bytes_per_s,
+            bw,
+            passes,
+        ),
+        _ => ddo_core::simulate(
+            &unit_bytes,
+            &unit_compute_s,
+            &resident,
+            slots,
+            link_bytes_per_s,
+            passes,
+        ),
+    };
     let SimResult {
         step_s,
         first_pass_s,
         compute_wait_s,
         link_busy_s,
         ..
-    } = ddo_core::simulate(
-        &unit_bytes,
-        &unit_compute_s,
-        &resident,
-        slots,
-        link_bytes_per_s,
-        passes,
-    );
+    } = r;
     (step_s, first_pass_s, compute_wait_s, link_busy_s)
 }
 
@@ -103,6 +161,7 @@ fn layout_slabs(unit_bytes: Vec<u64>, max_slab_bytes: u64) -> (Vec<u64>, Vec<(us
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(minimum_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_ram_cache, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(layout_unit, m)?)?;
     m.add_function(wrap_pyfunction!(layout_slabs, m)?)?;

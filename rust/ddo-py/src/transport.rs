@@ -96,8 +96,10 @@ impl Transport {
 #[pymethods]
 impl Transport {
     /// `device` is "cpu" or "cuda"; `staging` is `(buffers, buffer_bytes, threads, pinned)` or None.
+    /// `stage_host=False`: host sources are page-locked and go straight to the slot (in order with
+    /// file sources) instead of through the ring.
     #[new]
-    #[pyo3(signature = (device, ordinal, slots, copy_stream=0, staging=None))]
+    #[pyo3(signature = (device, ordinal, slots, copy_stream=0, staging=None, stage_host=true))]
     fn new(
         py: Python<'_>,
         device: &str,
@@ -105,6 +107,7 @@ impl Transport {
         slots: usize,
         copy_stream: u64,
         staging: Option<(usize, usize, usize, bool)>,
+        stage_host: bool,
     ) -> PyResult<Self> {
         let target = match device {
             "cpu" => Target::Cpu,
@@ -124,6 +127,7 @@ impl Transport {
                 buffer_bytes,
                 threads,
                 pinned,
+                stage_host,
             },
         );
         let inner = py
@@ -143,6 +147,59 @@ impl Transport {
         let t = self.get()?;
         py.detach(|| t.fetch(slot, dst, src, nbytes))
             .map_err(cuda_err)
+    }
+
+    /// Opens a weight file for `add_file_unit`; returns its index.
+    #[pyo3(signature = (path, allow_direct=true))]
+    fn open_file(
+        &mut self,
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        allow_direct: bool,
+    ) -> PyResult<usize> {
+        let t = self.get()?;
+        py.detach(|| t.open_file(&path, allow_direct))
+            .map_err(cuda_err)
+    }
+
+    /// Whether reads of file `index` bypass the page cache (O_DIRECT).
+    fn file_is_direct(&mut self, index: usize) -> PyResult<Option<bool>> {
+        Ok(self.get()?.file_is_direct(index))
+    }
+
+    /// Registers a unit read from files: `[(file, file_offset, nbytes, slot_offset)]`, one per
+    /// tensor; adjacent ranges are coalesced into aligned reads. Returns the unit's index.
+    #[pyo3(signature = (pieces, max_gap=0))]
+    fn add_file_unit(
+        &mut self,
+        pieces: Vec<(usize, u64, u64, u64)>,
+        max_gap: u64,
+    ) -> PyResult<usize> {
+        let pieces: Vec<ddo_core::ReadPiece> = pieces
+            .into_iter()
+            .map(|(file, offset, len, dst)| ddo_core::ReadPiece {
+                file,
+                offset,
+                len,
+                dst,
+            })
+            .collect();
+        self.get()?
+            .add_file_unit(&pieces, max_gap)
+            .map_err(cuda_err)
+    }
+
+    /// Starts filling `slot` at `dst` with file unit `unit` (read by the staging thread).
+    fn fetch_file(&mut self, py: Python<'_>, slot: usize, dst: usize, unit: usize) -> PyResult<()> {
+        let t = self.get()?;
+        py.detach(|| t.fetch_file(slot, dst, unit))
+            .map_err(cuda_err)
+    }
+
+    /// `(file_fetches, disk_bytes)` so far.
+    fn disk_stats(&mut self) -> PyResult<(u64, u64)> {
+        let s = self.get()?.stats();
+        Ok((s.file_fetches, s.disk_bytes))
     }
 
     fn acquire(&mut self, py: Python<'_>, slot: usize, compute_stream: u64) -> PyResult<()> {

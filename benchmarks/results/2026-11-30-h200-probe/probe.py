@@ -1,8 +1,12 @@
-import os, sys, time, json, resource
-import torch, psutil
+import resource
+import time
+
+import psutil
+import torch
+from diffusers import FluxTransformer2DModel
+
 import ddo_blocks
 from ddo_blocks.tiny import flux_inputs
-from diffusers import FluxTransformer2DModel
 
 GiB = 1024**3
 cfg = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,

@@ -1,0 +1,261 @@
+//! Positional reads of weight files for the NVMe route: a file opened twice (buffered, and with
+//! `O_DIRECT` where the filesystem allows it), chunk reads split into pieces read in parallel on a
+//! reader pool, and a short bandwidth probe.
+//!
+//! `O_DIRECT` needs the file offset, the length and the buffer address aligned to the device's
+//! logical block size; every read here uses [`ALIGN`] (4096) for all three (read plans widen ranges
+//! to it, staging buffers are page-aligned), so the page cache is bypassed and host memory stays at
+//! the staging ring plus the RAM cache. Where `O_DIRECT` is refused (tmpfs, some network and FUSE
+//! filesystems: `EINVAL` at open or read) the same ranges are read with buffered `pread` and the
+//! pages are dropped from the cache afterwards (`POSIX_FADV_DONTNEED`, best effort).
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::error::{CudaError, Result};
+use crate::host::HostBuffer;
+
+/// Alignment of offsets, lengths and buffers of direct reads.
+pub const ALIGN: usize = 4096;
+/// Size of the pieces a chunk is split into, read in parallel (queue depth for NVMe).
+pub const PIECE: usize = 4 << 20;
+
+/// One weight file, open for positional reads.
+#[derive(Debug)]
+pub struct ReadFile {
+    path: PathBuf,
+    buffered: File,
+    direct: Option<File>,
+    /// Cleared when a direct read is refused; later reads go buffered.
+    direct_ok: AtomicBool,
+}
+
+impl ReadFile {
+    /// Opens `path` buffered and, unless `allow_direct` is false or the filesystem refuses,
+    /// with `O_DIRECT`.
+    pub fn open(path: &Path, allow_direct: bool) -> Result<Self> {
+        let buffered = File::open(path).map_err(|e| read_err(path, "opening", e))?;
+        let direct = if allow_direct {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+                .ok()
+        } else {
+            None
+        };
+        let direct_ok = AtomicBool::new(direct.is_some());
+        Ok(Self {
+            path: path.to_path_buf(),
+            buffered,
+            direct,
+            direct_ok,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether reads currently bypass the page cache.
+    pub fn is_direct(&self) -> bool {
+        self.direct_ok.load(Ordering::Relaxed)
+    }
+
+    /// Reads `len` bytes at `offset` into host address `dst`, in pieces on the current rayon pool.
+    /// The first `needed` bytes must exist in the file; the rest may lie past its end (alignment
+    /// padding). Direct reads need `offset`, `len` and `dst` aligned to [`ALIGN`]; unaligned
+    /// requests are read buffered.
+    ///
+    /// The caller guarantees that `dst` points to `len` writable bytes nobody else touches until
+    /// this returns.
+    pub fn read_chunk(&self, offset: u64, len: usize, needed: usize, dst: usize) -> Result<()> {
+        let mask = ALIGN - 1; // ALIGN is a power of two
+        let aligned = (offset as usize | len | dst) & mask == 0;
+        let pieces = len.div_ceil(PIECE);
+        let run = |direct: bool| -> std::io::Result<()> {
+            (0..pieces).into_par_iter().try_for_each(|i| {
+                let o = i * PIECE;
+                let n = PIECE.min(len - o);
+                let want = needed.saturating_sub(o).min(n);
+                self.read_piece(direct, offset + o as u64, n, want, dst + o)
+            })
+        };
+        if aligned && self.is_direct() {
+            match run(true) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    tracing::info!(
+                        "O_DIRECT reads of {} refused ({e}); reading it through the page cache",
+                        self.path.display()
+                    );
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(read_err(&self.path, "reading", e)),
+            }
+        }
+        run(false).map_err(|e| read_err(&self.path, "reading", e))?;
+        self.drop_cached(offset, len);
+        Ok(())
+    }
+
+    /// Reads until `n` bytes are in or the file ends; fails if fewer than `want` arrived.
+    fn read_piece(
+        &self,
+        direct: bool,
+        offset: u64,
+        n: usize,
+        want: usize,
+        dst: usize,
+    ) -> std::io::Result<()> {
+        let file = match (direct, &self.direct) {
+            (true, Some(f)) => f,
+            _ => &self.buffered,
+        };
+        // SAFETY: the caller of `read_chunk` guarantees [dst, dst + len) is writable, owned by this
+        // read until it returns, and this piece is a disjoint sub-range of it.
+        let buf = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, n) };
+        let mut got = 0usize;
+        while got < n {
+            match file.read_at(&mut buf[got..], offset + got as u64) {
+                Ok(0) => break,
+                Ok(k) => got += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            if direct && got & (ALIGN - 1) != 0 {
+                break; // a short direct read ends at end of file
+            }
+        }
+        if got < want {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "the file ends at byte {} but the weights need bytes up to {} (truncated or \
+                     replaced while offloaded?)",
+                    offset + got as u64,
+                    offset + want as u64
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn drop_cached(&self, offset: u64, len: usize) {
+        // SAFETY: posix_fadvise only reads its arguments; the descriptor is open for `self`'s life.
+        unsafe {
+            libc::posix_fadvise(
+                self.buffered.as_raw_fd(),
+                offset as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            );
+        }
+    }
+}
+
+fn read_err(path: &Path, what: &str, e: std::io::Error) -> CudaError {
+    CudaError::Read(format!("{what} {}: {e}", path.display()))
+}
+
+/// Result of [`measure_read_bandwidth`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DiskProbe {
+    pub bytes_per_s: f64,
+    pub bytes: u64,
+    /// Whether the probe bypassed the page cache (`O_DIRECT`).
+    pub direct: bool,
+}
+
+/// Reads up to `max_bytes` from the start of `path` with the reader of the NVMe route (`threads`
+/// readers, [`PIECE`]-sized pieces, `O_DIRECT` where possible) and returns the bandwidth. Buffered
+/// reads (no `O_DIRECT`) may be served by the page cache and then overstate the disk.
+pub fn measure_read_bandwidth(path: &Path, max_bytes: u64, threads: usize) -> Result<DiskProbe> {
+    let file = ReadFile::open(path, true)?;
+    let file_len = std::fs::metadata(path)
+        .map_err(|e| read_err(path, "reading the size of", e))?
+        .len();
+    let needed = file_len.min(max_bytes) as usize;
+    if needed == 0 {
+        return Err(CudaError::Read(format!(
+            "{} is empty: nothing to measure",
+            path.display()
+        )));
+    }
+    let len = needed.div_ceil(ALIGN) * ALIGN;
+    let buf = HostBuffer::new(len, false)?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+        .map_err(|e| CudaError::Staging(format!("cannot start reader threads: {e}")))?;
+    let t0 = Instant::now();
+    pool.install(|| file.read_chunk(0, len, needed, buf.ptr()))?;
+    let secs = t0.elapsed().as_secs_f64().max(1e-9);
+    Ok(DiskProbe {
+        bytes_per_s: needed as f64 / secs,
+        bytes: needed as u64,
+        direct: file.is_direct(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_file(name: &str, len: usize) -> (PathBuf, Vec<u8>) {
+        // where /tmp is tmpfs (no O_DIRECT) the direct test exercises the fallback instead
+        let dir = std::env::temp_dir().join(format!("ddo-reader-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.bin");
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        (path, data)
+    }
+
+    fn read_all(direct: bool) {
+        let len = 3 * PIECE + 5000;
+        let (path, data) = temp_file(if direct { "d" } else { "b" }, len);
+        let f = ReadFile::open(&path, direct).unwrap();
+        let padded = len.div_ceil(ALIGN) * ALIGN;
+        let buf = HostBuffer::new(padded, false).unwrap();
+        f.read_chunk(0, padded, len, buf.ptr()).unwrap();
+        // SAFETY: the buffer holds `padded` >= `len` initialised bytes (an anonymous mapping).
+        let got = unsafe { std::slice::from_raw_parts(buf.ptr() as *const u8, len) };
+        assert_eq!(got, &data[..]);
+        // needing bytes past the end is an error naming the file
+        let err = f.read_chunk(0, padded, len + 1, buf.ptr()).unwrap_err();
+        assert!(matches!(err, CudaError::Read(_)), "{err}");
+        assert!(err.to_string().contains("w.bin"), "{err}");
+        // unaligned ranges go buffered
+        let mut small = vec![0u8; 100];
+        f.read_chunk(17, 100, 100, small.as_mut_ptr() as usize)
+            .unwrap();
+        assert_eq!(&small[..], &data[17..117]);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn buffered_reads_are_exact() {
+        read_all(false);
+    }
+
+    #[test]
+    fn direct_reads_are_exact_where_allowed() {
+        read_all(true);
+    }
+
+    #[test]
+    fn probe_measures_something() {
+        let (path, _) = temp_file("probe", 1 << 20);
+        let p = measure_read_bandwidth(&path, 64 << 20, 2).unwrap();
+        assert_eq!(p.bytes, 1 << 20);
+        assert!(p.bytes_per_s > 0.0);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+}
