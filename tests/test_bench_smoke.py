@@ -137,3 +137,24 @@ def test_spawn_isolation(tmp_path: Path):
     doc = json.loads((out / "results.json").read_text())
     (row,) = doc["rows"]
     assert row["status"] == "ok" and row["isolation"] == "spawn" and row["step_s"] > 0
+
+
+def test_loading_and_nvme_benchmarks_run_on_the_cpu(tmp_path):
+    """The two disk benchmarks (run on the GPU machine for real) end to end on the tiny model."""
+    import json
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "model"
+    load_out = tmp_path / "loading"
+    subprocess.run([sys.executable, "-m", "benchmarks.loading", "--device", "cpu", "--tiny", "--dir", str(model_dir),
+                    "--out", str(load_out)], check=True, capture_output=True, text=True)
+    doc = json.loads((load_out / "loading.json").read_text())
+    assert doc["load"]["exact"] and doc["read"]["seq_read_bytes"] > 0 and doc["ratio_ready_to_seq_read"] > 0
+    nvme_out = tmp_path / "nvme"
+    subprocess.run([sys.executable, "-m", "benchmarks.nvme", "--device", "cpu", "--tiny", "--dir", str(model_dir),
+                    "--vram-budgets", "0.5x", "--ram-budgets", "0", "--repeats", "2", "--no-diffusers",
+                    "--out", str(nvme_out)], check=True, capture_output=True, text=True)
+    rows = json.loads((nvme_out / "nvme.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["exact"] is True and rows[0]["step_s"] > 0
+    assert (nvme_out / "nvme.md").is_file()

@@ -1,0 +1,223 @@
+"""NVMe-route benchmark: the Flux-dev-sized transformer streamed from its safetensors files at several
+VRAM and RAM budgets, side by side with diffusers group offloading to disk, every row in its own
+process with the page cache dropped before it.
+
+    python -m benchmarks.nvme --device cuda --out-root "$OUT"                    # 22 GiB, GPU machine
+    python -m benchmarks.nvme --device cpu --tiny --out /tmp/nvme                 # seconds, any machine
+
+Rows: ``ours`` for every (vram_budget, ram_budget) pair of ``--vram-budgets`` x ``--ram-budgets``;
+``diffusers`` (``enable_group_offload(block_level, use_stream, offload_to_disk_path=...)`` on the
+model loaded by diffusers' own ``from_pretrained``) unless ``--no-diffusers``. Each row reports the
+step (median of ``--repeats`` after a warm-up), the roofline ``max(compute, disk bytes / disk
+bandwidth, streamed bytes / link bandwidth)`` from our report (compute: the calibrated measurement),
+peak host RSS above the process's RSS before loading, and exactness against the reference forward.
+The model is saved once by :mod:`benchmarks.loading`'s save phase (``--dir``; reused when present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from benchmarks.loading import _child as _loading_child
+from benchmarks.loading import _drop_cache, _peak_rss_sampler
+
+GiB = 1024**3
+
+
+def _budget(text: str, total: int) -> int:
+    text = text.strip()
+    if text.endswith("x"):
+        return int(float(text[:-1]) * total)
+    return int(float(text) * GiB)
+
+
+def _timed(module: Any, x: dict[str, Any], device: str, repeats: int) -> tuple[list[float], Any]:
+    import torch
+
+    times, out = [], None
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = module(**x)[0]
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def row_ours(args: argparse.Namespace) -> dict[str, Any]:
+    import psutil
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    import ddo_blocks
+
+    rss0 = psutil.Process().memory_info().rss
+    stop, peak = _peak_rss_sampler()
+    t0 = time.perf_counter()
+    handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, args.dir, route="nvme", preset="nvme_baseline",
+                                        vram_budget=args.vram, ram_budget=args.ram, device=args.device,
+                                        component="transformer", progress=False)
+    setup_s = time.perf_counter() - t0
+    saved = torch.load(Path(args.dir) / "reference.pt")
+    x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
+    times, out = _timed(handle.module, x, args.device, args.repeats)
+    stop.set()
+    rep = handle.report().to_dict()
+    steady = sorted(times[1:])
+    step = steady[len(steady) // 2]
+    result = {
+        "setup_s": setup_s,
+        "first_call_s": times[0],
+        "step_s": step,
+        "bound_s": rep["roofline"].get("bound_s"),
+        "ratio": step / rep["roofline"]["bound_s"] if rep["roofline"].get("bound_s") else None,
+        "disk_gb_s": rep["roofline"].get("disk_gb_s"),
+        "link_gb_s": rep["roofline"].get("link_gb_s"),
+        "predicted_step_s": rep["plan"].get("predicted_step_s"),
+        "calibrated_predicted_step_s": rep["runtime"].get("calibrated_predicted_step_s"),
+        "rss_before": rss0,
+        "peak_rss_above_before": max(peak[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - rss0,
+        "gpu_peak_allocated": rep["memory"].get("gpu_peak_allocated"),
+        "exact": bool(torch.equal(out.cpu(), saved["ref"])),
+        "report": {k: rep.get(k) for k in ("plan", "setup", "runtime", "roofline", "memory")},
+    }
+    handle.remove()
+    return result
+
+
+def row_diffusers(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    import psutil
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    rss0 = psutil.Process().memory_info().rss
+    stop, peak = _peak_rss_sampler()
+    t0 = time.perf_counter()
+    model = FluxTransformer2DModel.from_pretrained(args.dir, torch_dtype=torch.bfloat16)
+    disk = tempfile.mkdtemp(prefix="ddo-bench-diffusers-", dir=str(Path(args.dir).parent))
+    use_stream = args.device.startswith("cuda")
+    model.enable_group_offload(onload_device=torch.device(args.device), offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
+                               offload_to_disk_path=disk)
+    setup_s = time.perf_counter() - t0
+    saved = torch.load(Path(args.dir) / "reference.pt")
+    x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    times, out = _timed(model, x, args.device, args.repeats)
+    stop.set()
+    steady = sorted(times[1:])
+    return {
+        "setup_s": setup_s,
+        "first_call_s": times[0],
+        "step_s": steady[len(steady) // 2],
+        "rss_before": rss0,
+        "peak_rss_above_before": max(peak[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - rss0,
+        "gpu_peak_allocated": torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None,
+        "exact": bool(torch.equal(out.cpu(), saved["ref"])),
+    }
+
+
+ROWS = {"ours": row_ours, "diffusers": row_diffusers}
+
+
+def _run_row(kind: str, argv: list[str], extra: list[str]) -> dict[str, Any]:
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.nvme", "--row", kind, *argv, *extra],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout)[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.nvme", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--dir", default="/tmp/ddo-loading-model", help="the saved model (made if missing)")
+    p.add_argument("--vram-budgets", default="2,8", help="GiB, or fractions of the weights like 0.5x")
+    p.add_argument("--ram-budgets", default="0,8,16", help="GiB, or fractions of the weights")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-diffusers", action="store_true")
+    p.add_argument("--tokens-side", type=int, default=None)
+    p.add_argument("--text-tokens", type=int, default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--out-root", default="benchmarks/results")
+    p.add_argument("--row", choices=sorted(ROWS), help=argparse.SUPPRESS)
+    p.add_argument("--vram", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ram", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.row:
+        print(json.dumps(ROWS[args.row](args)))
+        return 0
+    argv = list(argv if argv is not None else sys.argv[1:])
+    directory = Path(args.dir)
+    if not (directory / "reference.pt").is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        save_argv = ["--device", args.device, "--dir", args.dir] + (["--tiny"] if args.tiny else [])
+        for flag in ("tokens_side", "text_tokens"):
+            if getattr(args, flag):
+                save_argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        _loading_child("save", save_argv)
+    total = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    base = ["--device", args.device, "--dir", args.dir, "--repeats", str(args.repeats)]
+    rows = []
+    for vram in args.vram_budgets.split(","):
+        for ram in args.ram_budgets.split(","):
+            _drop_cache(directory)
+            r = _run_row("ours", base, ["--vram", str(_budget(vram, total)), "--ram", str(_budget(ram, total))])
+            rows.append({"route": "ddo_blocks nvme_baseline", "vram_budget": vram, "ram_budget": ram, **r})
+            print(f"ours vram {vram} ram {ram}: step {_fmt(r.get('step_s'))} s, ratio {_fmt(r.get('ratio'), 2)}, "
+                  f"RSS +{_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} GiB, exact {r.get('exact')}"
+                  + (f" ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
+    if not args.no_diffusers:
+        _drop_cache(directory)
+        r = _run_row("diffusers", base, [])
+        rows.append({"route": "diffusers group offload to disk (block_level)", "vram_budget": "-", "ram_budget": "-", **r})
+        print(f"diffusers: step {_fmt(r.get('step_s'))} s, RSS +{_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} "
+              f"GiB" + (f" ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
+    doc = {"schema": "ddo_blocks.bench.nvme/1", "date": date.today().isoformat(), "machine": platform.node(),
+           "command": "python -m benchmarks.nvme " + " ".join(argv), "weights_bytes": total, "rows": rows}
+    out = Path(args.out) if args.out else Path(args.out_root) / f"{date.today().isoformat()}-{platform.node()}-nvme"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "nvme.json").write_text(json.dumps(doc, indent=2))
+    lines = [
+        f"# NVMe route, {doc['date']}", "", f"Command: `{doc['command']}`; weights {total / GiB:.2f} GiB.", "",
+        "| route | VRAM budget | RAM budget | step s | bound s | step / bound | disk GB/s | RSS above start GiB "
+        "| peak GPU GiB | setup s | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        gpu = r.get("gpu_peak_allocated")
+        lines.append(
+            f"| {r['route']} | {r['vram_budget']} | {r['ram_budget']} | {_fmt(r.get('step_s'))} | {_fmt(r.get('bound_s'))} "
+            f"| {_fmt(r.get('ratio'), 2)} | {_fmt(r.get('disk_gb_s'), 2)} "
+            f"| {_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} | {_fmt(gpu / GiB if gpu else None, 2)} "
+            f"| {_fmt(r.get('setup_s'), 1)} | {r.get('exact', r.get('error', '-')[:60])} |"
+        )
+    (out / "nvme.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out}/nvme.json and nvme.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
