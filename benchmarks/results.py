@@ -331,7 +331,9 @@ def markdown(doc: dict[str, Any]) -> str:
         ),
         (
             "- **setup s**: wall time of the attach call (offload / enable_group_offload / enable_offload / .to()), "
-            "pinning included. **first call s**: the first forward (warm-up, order tracing). "
+            "pinning included. **first call s**: the first forward (order tracing, cold slots), after a process "
+            "warm-up (one forward of a 1 + 1 block model of the same width and shapes, `process_warmup_s` in the "
+            "JSON) so CUDA and kernel loading are not counted. "
             "**predicted s**: our planner's `plan.predicted_step_s` (before any call; "
             "compute from a prior). **calibrated s**: the same simulator with the compute measured on the second call "
             "(`runtime.calibrated_predicted_step_s`)."

@@ -455,6 +455,33 @@ ATTACH = {
 }
 
 
+def _process_warmup(model, dev, dtype, ctx: dict[str, Any]) -> float:
+    """One forward of a 1 + 1 block model of the same width and input shapes, before anything is
+    attached: CUDA context, cuBLAS handles and the kernels of these shapes get loaded here, so a row's
+    ``first_call_s`` measures the route's own first call (order tracing, cold slots), not the process's."""
+    import torch
+
+    from . import model as M
+
+    t = time.perf_counter()
+    cfg = {**dict(model.config), "num_layers": 1, "num_single_layers": 1}
+    with torch.device("meta"):
+        small = type(model).from_config(cfg)
+    small = small.to_empty(device=dev).to(dtype)
+    with torch.no_grad():
+        for p in small.parameters():
+            p.normal_(0, 0.02)
+        inputs = M.make_inputs(small, height_tokens=ctx["height_tokens"], width_tokens=ctx["width_tokens"],
+                               text_tokens=ctx["text_tokens"], device=dev, dtype=dtype, seed=ctx["seed"] + 1)
+        small(**inputs)
+    _sync(dev)
+    del small, inputs
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    return time.perf_counter() - t
+
+
 def run_row(job: dict[str, Any], model) -> dict[str, Any]:
     import torch
 
@@ -471,6 +498,8 @@ def run_row(job: dict[str, Any], model) -> dict[str, Any]:
             torch.cuda.init()
             torch.cuda.set_device(dev)
             torch.cuda.reset_peak_memory_stats(dev)
+        if ctx.get("process_warmup", True):
+            row["process_warmup_s"] = _process_warmup(model, dev, dtype, ctx)
         t0 = time.perf_counter()
         attached = ATTACH[spec["route"]](model, spec, dev, ctx)
         _sync(dev)
