@@ -346,10 +346,10 @@ def _attach_resident(model, spec, dev, ctx) -> Attached:
     )
 
 
-def _attach_ours(model, spec, dev, ctx) -> Attached:
+def _offload_ours(model, spec, dev):
     import ddo_blocks
 
-    handle = ddo_blocks.offload(
+    return ddo_blocks.offload(
         model,
         route="linear",
         preset=spec["preset"],
@@ -357,6 +357,10 @@ def _attach_ours(model, spec, dev, ctx) -> Attached:
         device=dev,
         component="transformer",
     )
+
+
+def _attach_ours(model, spec, dev, ctx) -> Attached:
+    handle = _offload_ours(model, spec, dev)
     rep = handle.report().to_dict()
     info = {
         "streamed_bytes": rep["plan"].get("streamed_bytes"),
@@ -590,20 +594,11 @@ def _warm_rerun(attached: Attached, spec, dev, inputs, ctx) -> dict[str, Any]:
     without copying or pinning. Records the second setup, its first call and a short median."""
     import torch
 
-    import ddo_blocks
-
     handle = attached.info["_state"]["handle"]
     model = attached.module
     handle.remove()
     t0 = time.perf_counter()
-    h2 = ddo_blocks.offload(
-        model,
-        route="linear",
-        preset=spec["preset"],
-        vram_budget=spec["budget_bytes"],
-        device=dev,
-        component="transformer",
-    )
+    h2 = _offload_ours(model, spec, dev)
     _sync(dev)
     res: dict[str, Any] = {"warm_setup_s": time.perf_counter() - t0}
     rep = h2.report().to_dict()

@@ -34,3 +34,19 @@ def vae():
     from ddo_blocks.tiny import tiny_autoencoder_kl
 
     return tiny_autoencoder_kl()
+
+
+@pytest.fixture(scope="session")
+def flux_checkpoints(tmp_path_factory):
+    """A tiny bf16 Flux transformer saved twice by diffusers: ``single`` (one file) and ``sharded``
+    (three shards + index). Returns ``(root, model, inputs, reference output)``."""
+    from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
+
+    model = tiny_flux_transformer(dtype=torch.bfloat16)
+    x = flux_inputs(model)
+    with torch.no_grad():
+        ref = model(**x)[0]
+    root = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(root / "single")
+    model.save_pretrained(root / "sharded", max_shard_size="100KB")
+    return root, model, x, ref

@@ -12,21 +12,13 @@ from diffusers import FluxTransformer2DModel
 from safetensors.torch import load_file, save_file
 
 import ddo_blocks
-from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
 
 from .helpers import budgets
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    model = tiny_flux_transformer(dtype=torch.bfloat16)
-    x = flux_inputs(model)
-    with torch.no_grad():
-        ref = model(**x)[0]
-    root = tmp_path_factory.mktemp("ckpt")
-    model.save_pretrained(root / "single")
-    model.save_pretrained(root / "sharded", max_shard_size="100KB")
-    return root, model, x, ref
+@pytest.fixture
+def saved(flux_checkpoints):
+    return flux_checkpoints
 
 
 @pytest.mark.parametrize("layout", ["single", "sharded"])

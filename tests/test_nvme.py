@@ -14,23 +14,16 @@ from diffusers import FluxTransformer2DModel
 import ddo_blocks
 from ddo_blocks import _native
 from ddo_blocks.presets import ROUTES, describe, resolve
-from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
+from ddo_blocks.tiny import tiny_flux_transformer
 
 from .helpers import budgets
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    model = tiny_flux_transformer(dtype=torch.bfloat16)
-    x = flux_inputs(model)
-    with torch.no_grad():
-        ref = model(**x)[0]
-    root = tmp_path_factory.mktemp("nvme")
-    model.save_pretrained(root / "single")
-    model.save_pretrained(root / "sharded", max_shard_size="100KB")
-    return root, model, x, ref
+@pytest.fixture
+def saved(flux_checkpoints):
+    return flux_checkpoints
 
 
 def _load(path, model, ram_budget, **kw):

@@ -160,38 +160,22 @@ impl Stager {
     /// Blocks until job `seq` has been fully queued on the copy stream (CUDA) or copied (CPU).
     /// Returns the first error the worker met, if any.
     pub fn wait(&self, seq: u64) -> Result<()> {
-        let mut state = self
-            .shared
-            .state
-            .lock()
-            .map_err(|_| CudaError::Staging("state poisoned".into()))?;
-        while state.done < seq && state.error.is_none() {
-            state = self
-                .shared
-                .cv
-                .wait(state)
-                .map_err(|_| CudaError::Staging("state poisoned".into()))?;
-        }
-        match &state.error {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
+        self.wait_until(seq, true)
     }
 
     /// Blocks until every submitted job is done: processed, or skipped after an error (so that no
     /// upload is still queued from this thread), then returns the first error, if any.
     pub fn wait_all(&self) -> Result<()> {
-        let mut state = self
-            .shared
-            .state
-            .lock()
-            .map_err(|_| CudaError::Staging("state poisoned".into()))?;
-        while state.done < self.submitted {
-            state = self
-                .shared
-                .cv
-                .wait(state)
-                .map_err(|_| CudaError::Staging("state poisoned".into()))?;
+        self.wait_until(self.submitted, false)
+    }
+
+    /// Waits until `seq` jobs are done (or, with `stop_on_error`, until the worker failed), then
+    /// returns the worker's first error, if any.
+    fn wait_until(&self, seq: u64, stop_on_error: bool) -> Result<()> {
+        let poisoned = |_| CudaError::Staging("state poisoned".into());
+        let mut state = self.shared.state.lock().map_err(poisoned)?;
+        while state.done < seq && !(stop_on_error && state.error.is_some()) {
+            state = self.shared.cv.wait(state).map_err(poisoned)?;
         }
         match &state.error {
             Some(e) => Err(e.clone()),
