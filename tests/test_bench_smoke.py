@@ -158,3 +158,21 @@ def test_loading_and_nvme_benchmarks_run_on_the_cpu(tmp_path):
     rows = json.loads((nvme_out / "nvme.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["exact"] is True and rows[0]["step_s"] > 0
     assert (nvme_out / "nvme.md").is_file()
+
+
+def test_profile_analysis_splits_idle_time():
+    """Compute kernels at 0-10 and 20-30 us, one copy at 5-25 us, a call window of 0-40 us: compute
+    is busy 20, the link 20; compute idles 10 while the copy runs and 10 with both idle."""
+    from benchmarks.profile import analyse
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "ts": 20, "dur": 10},
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 5, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 40},
+    ]}
+    (row,) = analyse(trace, [(0.0, 40.0)])
+    assert row["span_s"] == 40e-6
+    assert row["compute_busy_s"] == 20e-6 and row["link_busy_s"] == 20e-6
+    assert abs(row["compute_idle_link_busy_s"] - 10e-6) < 1e-12
+    assert abs(row["idle_both_s"] - 10e-6) < 1e-12

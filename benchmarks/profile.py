@@ -1,0 +1,175 @@
+"""Copy and compute timelines of an offloaded forward, from the PyTorch profiler (CUPTI).
+
+    python -m benchmarks.profile --device cuda --budget 12GiB --out "$OUT/profile"
+
+Builds the Flux-dev-sized transformer (random bf16 weights, built on the device, moved to the host),
+offloads it with the linear route, runs warm-up calls, then profiles ``--steps`` calls. From the
+Chrome trace it takes every kernel (compute) and every host-to-device memcpy (the copy stream) and
+reports, per profiled call: its span, the link's busy time (bytes / span = achieved GB/s), the
+compute's busy time, and the time compute sat idle, split into "while the link was busy" (waiting
+for a copy, or the link prefetching ahead) and "with the link idle too" (host-side overhead:
+launches, hooks). A PNG draws both timelines.
+This is the profile the roofline issue asks for when a row misses its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _intervals(events: list[dict[str, Any]], cats: tuple[str, ...]) -> list[tuple[float, float]]:
+    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+           if e.get("ph") == "X" and e.get("cat") in cats]
+    return sorted(out)
+
+
+def _merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in iv:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _length(iv: list[tuple[float, float]], lo: float, hi: float) -> float:
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in iv)
+
+
+def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]], lo: float, hi: float) -> float:
+    total, j = 0.0, 0
+    for a, b in x:
+        while j < len(y) and y[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(y) and y[k][0] < b:
+            total += max(0.0, min(b, y[k][1], hi) - max(a, y[k][0], lo))
+            k += 1
+    return total
+
+
+def analyse(trace: dict[str, Any], call_windows: list[tuple[float, float]]) -> list[dict[str, float]]:
+    """Per call window (µs, trace clock): span, compute busy, link busy, compute idle, link busy,
+    idle with both idle."""
+    events = trace.get("traceEvents", [])
+    compute = _merge(_intervals(events, ("kernel",)))
+    copies = _merge(_intervals(events, ("gpu_memcpy",)))
+    rows = []
+    for lo, hi in call_windows:
+        span = hi - lo
+        busy_c = _length(compute, lo, hi)
+        busy_l = _length(copies, lo, hi)
+        both = _overlap(compute, copies, lo, hi)
+        idle_c = span - busy_c
+        wait_on_copy = busy_l - both  # link busy while compute idle (waiting for it, or prefetching ahead)
+        rows.append({
+            "span_s": span / 1e6,
+            "compute_busy_s": busy_c / 1e6,
+            "link_busy_s": busy_l / 1e6,
+            "compute_idle_link_busy_s": wait_on_copy / 1e6,
+            "idle_both_s": max(0.0, idle_c - wait_on_copy) / 1e6,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--budget", default="12GiB")
+    p.add_argument("--preset", default="one_shot_fast")
+    p.add_argument("--units", default="auto")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/profile")
+    args = p.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import ddo_blocks
+    from benchmarks.model import FLUX_DEV, TINY, skeleton
+    from ddo_blocks.tiny import flux_inputs
+
+    dev = torch.device(args.device)
+    cfg = TINY if args.tiny else FLUX_DEV
+    model = skeleton(cfg, torch.bfloat16).to_empty(device=dev)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.normal_(0, 0.02)
+    model.to("cpu")
+    side, text = (8, 12) if args.tiny else (64, 512)
+    x = flux_inputs(model, height=side, width=side, text_len=text, device=dev)
+    budget = args.budget if not args.budget.endswith("x") else int(
+        float(args.budget[:-1]) * sum(q.numel() * q.element_size() for q in model.parameters()))
+    handle = ddo_blocks.offload(model, preset=args.preset, vram_budget=budget, device=dev, units=args.units)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        for _ in range(args.warmup):
+            model(**x)
+        sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        marks = []
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                with torch.profiler.record_function("ddo_call"):
+                    t = time.perf_counter()
+                    model(**x)
+                    sync()
+                    marks.append(time.perf_counter() - t)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace_path = out / "trace.json"
+    prof.export_chrome_trace(str(trace_path))
+    trace = json.loads(trace_path.read_text())
+    windows = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace["traceEvents"]
+                     if e.get("ph") == "X" and e.get("name") == "ddo_call" and e.get("cat") in ("user_annotation",
+                                                                                            "cpu_op"))
+    # the host span of a call ends after its synchronize, so it covers the call's GPU work too
+    rows = analyse(trace, windows[: args.steps])
+    report = handle.report().to_dict()
+    handle.remove()
+    doc = {"command": "python -m benchmarks.profile " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "host_timed_s": marks, "calls": rows, "plan": report["plan"], "roofline": report["roofline"]}
+    (out / "profile.json").write_text(json.dumps(doc, indent=2))
+    for i, r in enumerate(rows):
+        print(f"call {i}: span {r['span_s']:.4f} s, compute busy {r['compute_busy_s']:.4f} s, link busy "
+              f"{r['link_busy_s']:.4f} s, compute idle, link busy {r['compute_idle_link_busy_s']:.4f} s, "
+              f"both idle {r['idle_both_s']:.4f} s")
+    _plot(trace, windows[: args.steps], out / "timeline.png")
+    print(f"wrote {out}/profile.json, trace.json, timeline.png")
+    return 0
+
+
+def _plot(trace: dict[str, Any], windows: list[tuple[float, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = trace.get("traceEvents", [])
+    lanes = {"compute (kernels)": _merge(_intervals(events, ("kernel",))),
+             "link (H2D copies)": _merge(_intervals(events, ("gpu_memcpy",)))}
+    if not windows:
+        return
+    lo, hi = windows[0][0], windows[-1][1]
+    fig, ax = plt.subplots(figsize=(14, 2.5))
+    for row, iv in enumerate(lanes.values()):
+        bars = [((a - lo) / 1e3, (b - a) / 1e3) for a, b in iv if b > lo and a < hi]
+        ax.broken_barh(bars, (row * 10, 8), facecolors="tab:blue" if row == 0 else "tab:orange")
+    ax.set_yticks([4, 14], list(lanes))
+    ax.set_xlabel("ms since the first profiled call")
+    ax.set_title("copy and compute timelines")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
