@@ -208,7 +208,7 @@ def _linear(module: nn.Module, preset: str, budget: int | None, dev: torch.devic
     _no_options("linear", options)
     units, _ = split_units(module)
     streamed_guess = sum(tensor_nbytes(p) for u in units for _, p in u.params)
-    chosen = resolve("linear", preset, streamed_bytes=streamed_guess, available_ram=psutil.virtual_memory().available)
+    chosen = resolve("linear", preset, streamed_bytes=streamed_guess, total_ram=psutil.virtual_memory().total)
     if chosen.host is HostMode.CALLER:
         return chosen, OffEngine(module, dev)
     return chosen, LinearEngine(module, chosen, budget, dev, loader=loader, units=units_opt)

@@ -189,11 +189,17 @@ def is_wsl() -> bool:
     return "microsoft" in platform.release().lower() or "WSL_DISTRO_NAME" in os.environ
 
 
-def resolve(route: str, preset: str, *, streamed_bytes: int = 0, available_ram: int | None = None) -> Preset:
+PIN_RAM_FRACTION = 0.5
+"""``auto`` page-locks the streamed weights only when they are at most this fraction of physical RAM:
+page-locked memory cannot be swapped or reclaimed, and the rest of the system needs the remainder."""
+
+
+def resolve(route: str, preset: str, *, streamed_bytes: int = 0, total_ram: int | None = None) -> Preset:
     """Resolves a route and preset name to a :class:`Preset`.
 
-    ``auto`` picks, for the linear route: ``wsl_compat`` under WSL; ``one_shot_fast`` when the machine's
-    available RAM can page-lock the streamed weights with 25 % to spare; ``low_ram_safe`` otherwise.
+    ``auto`` picks, for the linear route: ``wsl_compat`` under WSL; ``one_shot_fast`` when the streamed
+    weights are at most half the machine's physical RAM (they are in RAM already; pinning them in place
+    costs one slab more, but page-locked memory cannot be reclaimed); ``low_ram_safe`` otherwise.
     For the nvme route it is ``nvme_baseline`` with a RAM cache sized from the available RAM (the
     engine factory sizes it); for other routes, the route's only preset.
 
@@ -208,7 +214,7 @@ def resolve(route: str, preset: str, *, streamed_bytes: int = 0, available_ram: 
             return next(iter(presets.values()))
         if is_wsl():
             return presets["wsl_compat"]
-        if available_ram is not None and streamed_bytes * 1.25 > available_ram:
+        if total_ram is not None and streamed_bytes > PIN_RAM_FRACTION * total_ram:
             return presets["low_ram_safe"]
         return presets["one_shot_fast"]
     if not isinstance(preset, str) or preset not in presets:
@@ -225,8 +231,8 @@ def describe() -> str:
     for route, presets in ROUTES.items():
         if route == "linear":
             lines.append(
-                f"{route:<10} {'auto':<{wp}} {'-':<{wh}} wsl_compat under WSL, else one_shot_fast when "
-                "RAM allows pinning, else low_ram_safe"
+                f"{route:<10} {'auto':<{wp}} {'-':<{wh}} wsl_compat under WSL, else one_shot_fast when the "
+                "streamed weights are at most half the RAM, else low_ram_safe"
             )
         if route == "nvme":
             lines.append(

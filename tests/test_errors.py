@@ -156,3 +156,11 @@ def test_failure_during_setup_rolls_back(flux_state, monkeypatch):
     with torch.no_grad():
         assert torch.equal(flux(**x)[0], ref)
     handle.remove()
+
+
+def test_auto_preset_pins_only_up_to_half_the_ram():
+    from ddo_blocks.presets import resolve
+
+    gib = 1 << 30
+    assert resolve("linear", "auto", streamed_bytes=20 * gib, total_ram=64 * gib).name in ("one_shot_fast", "wsl_compat")
+    assert resolve("linear", "auto", streamed_bytes=20 * gib, total_ram=32 * gib).name in ("low_ram_safe", "wsl_compat")
