@@ -164,3 +164,18 @@ def test_auto_preset_pins_only_up_to_half_the_ram():
     gib = 1 << 30
     assert resolve("linear", "auto", streamed_bytes=20 * gib, total_ram=64 * gib).name in ("one_shot_fast", "wsl_compat")
     assert resolve("linear", "auto", streamed_bytes=20 * gib, total_ram=32 * gib).name in ("low_ram_safe", "wsl_compat")
+
+
+def test_autograd_through_streamed_weights_is_refused(flux_state):
+    """Backward would read weights from reused slots: refused with a clear error, module usable."""
+    flux, snap, x, ref = flux_state
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    with pytest.raises(ddo_blocks.OffloadStateError, match=r"torch.no_grad\(\)"):
+        flux(**x)
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    flux.requires_grad_(False)
+    assert torch.equal(flux(**x)[0], ref)  # no parameter needs grad: allowed with autograd on
+    flux.requires_grad_(True)
+    handle.remove()
+    _still_usable(flux, snap, x, ref)

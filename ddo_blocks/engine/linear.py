@@ -383,6 +383,12 @@ class LinearEngine:
         self._topup()
 
     def _enter(self) -> None:
+        if self._depth == 0 and torch.is_grad_enabled() and self._streamed_require_grad():
+            raise OffloadStateError(
+                f"{type(self.module).__name__} is offloaded for inference, but autograd is on and its streamed "
+                "parameters require grad: backward would read weights from slots the next units reuse. Run it "
+                "under torch.no_grad() or torch.inference_mode(), or call module.requires_grad_(False)"
+            )
         self._depth += 1
         if self._depth > 1:
             return
@@ -401,7 +407,12 @@ class LinearEngine:
             self._call_events = start
         self._call_t0 = time.perf_counter()
 
+    def _streamed_require_grad(self) -> bool:
+        return any(p.requires_grad for u in self.streamed for _, p in u.params)
+
     def _exit(self) -> None:
+        if self._depth == 0:  # the call was refused in _enter
+            return
         self._depth -= 1
         if self._depth > 0:
             return
