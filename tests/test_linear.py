@@ -328,3 +328,15 @@ def test_auto_units_pick_children_when_blocks_do_not_fit(flux):
         ddo_blocks.offload(flux, vram_budget=child_min - 1, device="cpu")
     with pytest.raises(ddo_blocks.ConfigError, match="unit granularity"):
         ddo_blocks.offload(flux, vram_budget=child_min, device="cpu", units="layer")
+
+
+def test_inference_mode_works_like_no_grad(flux):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    with torch.inference_mode():
+        assert all(torch.equal(flux(**x)[0], ref) for _ in range(2))
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
