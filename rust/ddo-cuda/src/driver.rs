@@ -90,6 +90,52 @@ pub fn make_current(ordinal: usize) -> Result<()> {
     )
 }
 
+/// The primary context of a device bound to the calling thread for the guard's lifetime; dropping it
+/// puts back whatever context was current before. PyTorch's current device follows the thread's
+/// current context, so a call from Python must never leave another device's context behind.
+#[derive(Debug)]
+pub struct ContextGuard {
+    /// The context to restore, when binding changed it (`Some(0)`: none was current).
+    previous: Option<usize>,
+}
+
+/// Binds the primary context of device `ordinal` until the returned guard is dropped.
+pub fn bind_context(ordinal: usize) -> Result<ContextGuard> {
+    init()?;
+    let ctx = primary_context(ordinal)?;
+    let mut current: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    check(
+        unsafe { sys::cuCtxGetCurrent(&mut current) },
+        "cuCtxGetCurrent",
+        "reading the current context",
+    )?;
+    if current as usize == ctx {
+        return Ok(ContextGuard { previous: None });
+    }
+    // SAFETY: `ctx` is a retained primary context that is never released while the process runs.
+    check(
+        unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) },
+        "cuCtxSetCurrent",
+        "binding the primary context",
+    )?;
+    Ok(ContextGuard {
+        previous: Some(current as usize),
+    })
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            // SAFETY: `previous` was the thread's current context (or null) before the guard.
+            let code = unsafe { sys::cuCtxSetCurrent(previous as sys::CUcontext) };
+            if code != sys::CUresult::CUDA_SUCCESS {
+                tracing::warn!("restoring the previous CUDA context failed: {code:?}");
+            }
+        }
+    }
+}
+
 fn primary_context(ordinal: usize) -> Result<usize> {
     let map = PRIMARY.get_or_init(|| Mutex::new(HashMap::new()));
     let mut map = map

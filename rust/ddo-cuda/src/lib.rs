@@ -17,7 +17,10 @@ mod reader;
 mod stager;
 mod transport;
 
-pub use driver::{device_count, driver_version, init, make_current, unavailable_reason, Stream};
+pub use driver::{
+    bind_context, device_count, driver_version, init, make_current, unavailable_reason,
+    ContextGuard, Stream,
+};
 pub use error::{CudaError, Result};
 pub use event::Event;
 pub use host::{copy_host, copy_host_many, read_file_into, HostBuffer, HostRegistration};

@@ -211,8 +211,14 @@ fn worker(
     let mut done = 0u64;
     for job in rx {
         if failed.is_none() {
-            if let Err(e) = run_job(target, events.as_deref(), &mut ring, &pool, job) {
-                failed = Some(e);
+            // A panic must not kill the worker silently: waiters would block forever.
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                run_job(target, events.as_deref(), &mut ring, &pool, job)
+            }));
+            match outcome {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => failed = Some(e),
+                Err(_) => failed = Some(CudaError::Staging("the staging thread panicked".into())),
             }
         }
         done += 1;

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use cudarc::driver::sys;
 
-use crate::driver::{check, make_current, Stream};
+use crate::driver::{bind_context, check, ContextGuard, Stream};
 use crate::error::{CudaError, Result};
 use crate::event::Event;
 use crate::reader::{ReadFile, ALIGN};
@@ -75,9 +75,13 @@ impl Transport {
     /// Creates the transport. On the CUDA target the device's primary context is made current and
     /// the events are created; without a driver this fails with [`CudaError::NotAvailable`].
     pub fn new(target: Target, slots: usize, staging: Option<Staging>) -> Result<Self> {
+        // Events and the staging ring's page-locked buffers are created in the target's context.
+        let _ctx = match target {
+            Target::Cuda { ordinal, .. } => Some(bind_context(ordinal)?),
+            Target::Cpu => None,
+        };
         let events = match target {
-            Target::Cuda { ordinal, .. } => {
-                make_current(ordinal)?;
+            Target::Cuda { .. } => {
                 let mk = || (0..slots).map(|_| Event::new()).collect::<Result<Vec<_>>>();
                 Some(Arc::new(SlotEvents {
                     arrived: mk()?,
@@ -121,10 +125,11 @@ impl Transport {
         Ok(())
     }
 
-    fn bind(&self) -> Result<()> {
+    /// Binds the target's context for the duration of one call (see [`ContextGuard`]).
+    fn bind(&self) -> Result<Option<ContextGuard>> {
         match self.target {
-            Target::Cuda { ordinal, .. } => make_current(ordinal),
-            Target::Cpu => Ok(()),
+            Target::Cuda { ordinal, .. } => bind_context(ordinal).map(Some),
+            Target::Cpu => Ok(None),
         }
     }
 
@@ -145,7 +150,7 @@ impl Transport {
         }
         match (self.target, self.events.as_deref()) {
             (Target::Cuda { copy_stream, .. }, Some(ev)) => {
-                self.bind()?;
+                let _ctx = self.bind()?;
                 ev.consumed[slot].wait_on(copy_stream)?;
                 h2d_async(dst, src, n, copy_stream)?;
                 ev.arrived[slot].record(copy_stream)
@@ -237,7 +242,7 @@ impl Transport {
             self.stats.host_wait_ns += t0.elapsed().as_nanos() as u64;
         }
         if let Some(ev) = self.events.as_deref() {
-            self.bind()?;
+            let _ctx = self.bind()?;
             ev.arrived[slot].wait_on(compute_stream)?;
         }
         Ok(())
@@ -247,7 +252,7 @@ impl Transport {
     pub fn release(&mut self, slot: usize, compute_stream: Stream) -> Result<()> {
         self.check_slot(slot)?;
         if let Some(ev) = self.events.as_deref() {
-            self.bind()?;
+            let _ctx = self.bind()?;
             ev.consumed[slot].record(compute_stream)?;
         }
         Ok(())
@@ -261,7 +266,7 @@ impl Transport {
             None => Ok(()),
         };
         if let Target::Cuda { copy_stream, .. } = self.target {
-            self.bind()?;
+            let _ctx = self.bind()?;
             // SAFETY: the stream handle is owned by PyTorch and alive while the transport is.
             check(
                 unsafe { sys::cuStreamSynchronize(copy_stream.raw()) },

@@ -50,7 +50,7 @@ impl HostRegistration {
     ) -> PyResult<Self> {
         let inner = py
             .detach(|| {
-                ddo_cuda::make_current(device)?;
+                let _ctx = ddo_cuda::bind_context(device)?;
                 ddo_cuda::HostRegistration::register(ptr, nbytes)
             })
             .map_err(cuda_err)?;
