@@ -340,3 +340,46 @@ def test_inference_mode_works_like_no_grad(flux):
     handle.remove()
     with torch.no_grad():
         assert torch.equal(flux(**x)[0], ref)
+
+
+def test_keyboard_interrupt_mid_forward_leaves_the_offload_removable(flux):
+    """Ctrl-C skips torch's always_call hooks; the call must still close (entry wrappers use finally)."""
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    armed = {"on": True}
+
+    def interrupt(module, args):
+        if armed["on"]:
+            armed["on"] = False
+            raise KeyboardInterrupt
+
+    hook = flux.single_transformer_blocks[0].register_forward_pre_hook(interrupt)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        flux(**x)
+    hook.remove()
+    assert handle.engine._depth == 0
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    assert handle.report()["runtime"]["order_changes"] == 0  # the interrupted call taught nothing
+    handle.remove()
+    assert "forward" not in vars(flux)
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+
+
+def test_a_module_that_is_its_own_single_unit():
+    """A bare leaf is one unit; two slots of it cost more than keeping it, so it stays resident."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        ref = lin(x)
+    handle = ddo_blocks.offload(lin, vram_budget=ddo_blocks.minimum_budget(lin), device="cpu")
+    assert [u.module for u in handle.engine.units] == [lin] and handle.engine.streamed == []
+    with torch.no_grad():
+        assert all(torch.equal(lin(x), ref) for _ in range(3))
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(lin(x), ref)

@@ -13,6 +13,7 @@ so planning, slot binding, hooks and exactness are all exercised without a GPU.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,9 +30,9 @@ from . import bandwidth
 from .calibrate import Calibration
 from .slabs import SlabSet
 
-ENTRY_METHODS = ("encode", "decode")
-"""Entry points besides ``forward`` that start a call (VAEs); wrapped so order learning and call
-timing see them too."""
+ENTRY_METHODS = ("forward", "encode", "decode")
+"""The entry points that start a call (``encode``/``decode``: VAEs); wrapped so order learning and
+call timing see every call."""
 
 
 @dataclass
@@ -92,7 +93,7 @@ class LinearEngine:
         self.slot_bytes = 0
         self.n_slots = 0
         self._hooks: list[Any] = []
-        self._wrapped: list[str] = []
+        self._wrapped: list[tuple[str, Any, Any]] = []
         self._depth = 0
         self._attached = False
         # pipeline state (indices into self.streamed)
@@ -234,30 +235,39 @@ class LinearEngine:
         return _native.Transport(self.device.type, self.device.index or 0, self.n_slots, copy_stream, staging)
 
     def _install_hooks(self) -> None:
-        # Root hooks first: when the root is itself a unit, the call starts before the unit does.
-        self._hooks.append(self.module.register_forward_pre_hook(lambda m, a: self._enter()))
-        self._hooks.append(self.module.register_forward_hook(lambda m, a, o: self._exit(), always_call=True))
         for u, unit in enumerate(self.streamed):
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(u)))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(u), always_call=True))
+        # Calls are delimited by wrapping the entry points on the instance, with try/finally: torch's
+        # always_call hooks do not run on KeyboardInterrupt, which would leave the call open forever.
         for name in ENTRY_METHODS:
+            previous = self.module.__dict__.get(name)
             method = getattr(self.module, name, None)
-            if callable(method) and name not in vars(self.module):
-                setattr(self.module, name, self._wrap_entry(method))
-                self._wrapped.append(name)
+            if not callable(method):
+                continue
+            while getattr(method, "_ddo_entry", False):  # a stale wrapper of an earlier offload
+                method = method.__wrapped__
+            wrapper = self._wrap_entry(method)
+            setattr(self.module, name, wrapper)
+            self._wrapped.append((name, wrapper, previous))
 
     def _wrap_entry(self, method: Callable[..., Any]) -> Callable[..., Any]:
         engine = self
 
+        @functools.wraps(method)  # keeps the signature visible (pipelines inspect forward's parameters)
         def entry(*args: Any, **kwargs: Any) -> Any:
-            try:
-                engine._enter()  # inside: _exit undoes a failed _enter, as the always_call hook does
+            if not engine._attached:  # left behind under another wrapper after remove(): transparent
                 return method(*args, **kwargs)
+            engine._enter()
+            clean = False
+            try:
+                out = method(*args, **kwargs)
+                clean = True
+                return out
             finally:
-                engine._exit()
+                engine._exit(clean)
 
-        entry.__wrapped__ = method  # type: ignore[attr-defined]
-        entry.__doc__ = method.__doc__
+        entry._ddo_entry = True  # type: ignore[attr-defined]
         return entry
 
     def detach(self) -> None:
@@ -275,8 +285,12 @@ class LinearEngine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for name in self._wrapped:
-            self.module.__dict__.pop(name, None)
+        for name, wrapper, previous in self._wrapped:
+            if self.module.__dict__.get(name) is wrapper:  # else someone wrapped on top: ours goes transparent
+                if previous is None:
+                    self.module.__dict__.pop(name, None)
+                else:
+                    self.module.__dict__[name] = previous
         self._wrapped.clear()
         if self.transport is not None:
             try:
@@ -392,8 +406,8 @@ class LinearEngine:
         self._depth += 1
         if self._depth > 1:
             return
-        if self._running is not None:
-            self._unit_end(self._running[0])
+        if self._running is not None and self.streamed[self._running[0]].module is not self.module:
+            self._unit_end(self._running[0])  # left open by an interrupted call (the root may be a unit)
         self._trace = []
         if self._calibration is None and self._calls_started == 1 and self.streamed:
             self._calibration = Calibration(self.device, [(u.index, u.module) for u in self.resident_units])
@@ -410,9 +424,7 @@ class LinearEngine:
     def _streamed_require_grad(self) -> bool:
         return any(p.requires_grad for u in self.streamed for _, p in u.params)
 
-    def _exit(self) -> None:
-        if self._depth == 0:  # the call was refused in _enter
-            return
+    def _exit(self, clean: bool = True) -> None:
         self._depth -= 1
         if self._depth > 0:
             return
@@ -429,7 +441,7 @@ class LinearEngine:
             self._pending_cuda_calls.append((self._call_events, end, nbytes, misses))
         else:
             self.stats.calls.append(CallRecord(time.perf_counter() - self._call_t0, nbytes, misses))
-        if self._trace and self._trace != self.sched:
+        if clean and self._trace and self._trace != self.sched:
             # Learn the confirmed execution order; refetch the start of the next call in it.
             self.stats.order_changes += 1
             self.sched = list(self._trace)

@@ -205,10 +205,14 @@ class NvmeEngine(LinearEngine):
         super()._enter()
         if first and self._disk_params:
             self._disk_bytes0 = self.transport.disk_stats()[1] if self.transport is not None else 0
-            self._check_files()
+            try:
+                self._check_files()
+            except BaseException:
+                self._exit(clean=False)  # the caller's finally does not run when _enter raises
+                raise
 
-    def _exit(self) -> None:
-        super()._exit()
+    def _exit(self, clean: bool = True) -> None:
+        super()._exit(clean)
         if self._depth == 0 and self._disk_params and self.transport is not None:
             self.disk_call_bytes.append(self.transport.disk_stats()[1] - self._disk_bytes0)
 
