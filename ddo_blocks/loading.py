@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import _native
+from .engine.slabs import PinnedBuffer
 from .errors import CheckpointError, ConfigError
 
 _DTYPES = {
@@ -206,7 +207,8 @@ class Loader:
         if not batch:
             return outs
         stream = torch.cuda.current_stream(device)
-        buffers = [torch.empty(_STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        pinned = [PinnedBuffer(_STAGING_BYTES, device.index or 0) for _ in range(2)]
+        buffers = [b.tensor for b in pinned]
         done = [torch.cuda.Event(), torch.cuda.Event()]
         turn, used, pending = 0, 0, []
 
@@ -225,13 +227,17 @@ class Loader:
             turn, used, pending = 1 - turn, 0, []
             done[turn].synchronize()  # the other buffer's uploads finished: it can be refilled
 
-        for src, out in batch:
-            if used + src.nbytes > _STAGING_BYTES:
-                flush()
-            pending.append((src, out, used))
-            used += (src.nbytes + 255) // 256 * 256
-        flush()
-        stream.synchronize()
+        try:
+            for src, out in batch:
+                if used + src.nbytes > _STAGING_BYTES:
+                    flush()
+                pending.append((src, out, used))
+                used += (src.nbytes + 255) // 256 * 256
+            flush()
+        finally:
+            stream.synchronize()  # no upload may still read a buffer when it is unpinned
+            for b in pinned:
+                b.close()
         return outs
 
     def close(self) -> None:
@@ -262,8 +268,14 @@ def build_on_meta(model_class: type, directory: Path, dtype: torch.dtype | None)
         name = cfg.get("torch_dtype") or cfg.get("dtype")
         dtype = getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
     if dtype is not None:
-        for p in model.parameters():
-            if p.is_floating_point():
+        # As diffusers' loader: modules the class keeps in float32 stay there under fp16/bf16.
+        keep = list(getattr(model_class, "_keep_in_fp32_modules", None) or [])
+        for name, p in model.named_parameters():
+            if not p.is_floating_point():
+                continue
+            if dtype in (torch.float16, torch.bfloat16) and any(k in name.split(".") for k in keep):
+                p.data = p.data.to(torch.float32)
+            else:
                 p.data = p.data.to(dtype)
     return model.eval()
 

@@ -383,3 +383,13 @@ def test_a_module_that_is_its_own_single_unit():
     handle.remove()
     with torch.no_grad():
         assert torch.equal(lin(x), ref)
+
+
+def test_warm_slabs_do_not_pile_up_when_the_plan_changes(flux):
+    """Re-offloading warm weights at another budget repacks them; the old warm slabs are released."""
+    b = budgets(flux, "block")
+    sizes = []
+    for budget in (b["all_streamed"], b["half"], b["all_streamed"], b["half"]):
+        ddo_blocks.offload(flux, preset="warm_process", vram_budget=budget, device="cpu", units="block").remove()
+        sizes.append(ddo_blocks.warm_bytes())
+    assert sizes[2] == sizes[0] and sizes[3] == sizes[1]

@@ -34,16 +34,19 @@ def compute_bytes_per_s(device: torch.device, link: float) -> float:
 
 
 def _measure_cuda(device: torch.device) -> float:
-    src = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    from .slabs import PinnedBuffer  # exact-size pinning, released after the probe
+
     dst = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device)
     stream = torch.cuda.current_stream(device)
-    dst.copy_(src, non_blocking=True)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    end.record(stream)
-    end.synchronize()
+    with PinnedBuffer(_PROBE_BYTES, device.index or 0) as pinned:
+        src = pinned.tensor
+        dst.copy_(src, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        end.record(stream)
+        end.synchronize()
     return 3 * _PROBE_BYTES / (start.elapsed_time(end) / 1e3)
 
 

@@ -23,12 +23,15 @@ import torch
 from torch import nn
 
 from .. import _native
-from ..errors import BudgetError, ConfigError, OffloadMemoryError, OffloadStateError
+from ..errors import BudgetError, ConfigError, DdoError, OffloadMemoryError, OffloadStateError
 from ..presets import HostMode, Preset
 from ..units import GRANULARITIES, Unit, split_units, tensor_nbytes
 from . import bandwidth
 from .calibrate import Calibration
 from .slabs import SlabSet
+
+_MAX_PENDING_CALLS = 64
+_MAX_TRACE = 1 << 16
 
 ENTRY_METHODS = ("forward", "encode", "decode")
 """The entry points that start a call (``encode``/``decode``: VAEs); wrapped so order learning and
@@ -292,10 +295,13 @@ class LinearEngine:
                 else:
                     self.module.__dict__[name] = previous
         self._wrapped.clear()
+        close_error: DdoError | None = None
         if self.transport is not None:
+            self._final_transport_stats = self.transport.stats()
             try:
-                self._final_transport_stats = self.transport.stats()
                 self.transport.close()  # drains in-flight copies before slots and slabs go
+            except DdoError as exc:  # resources are freed anyway: finish restoring, then report it
+                close_error = exc
             finally:
                 self.transport = None
         if self.device.type == "cuda":
@@ -317,6 +323,8 @@ class LinearEngine:
             if buf is not None and buf.device != dev:
                 owner._buffers[name] = buf.to(dev)
         self._orig_buffers.clear()
+        if close_error is not None:
+            raise close_error
 
     # ---------------------------------------------------------------------------------------------
     # the pipeline
@@ -363,7 +371,9 @@ class LinearEngine:
     def _unit_start(self, u: int) -> None:
         if self._running is not None:  # the previous unit raised or units nest: settle it first
             self._unit_end(self._running[0])
-        self._trace.append(u)
+        if len(self._trace) < _MAX_TRACE:  # units run outside any call (e.g. vae.decoder(...)) must not grow it
+            self._trace.append(u)
+        missed = False
         if self._inflight and self._inflight[0][0] == u:
             _, slot = self._inflight.popleft()
         else:
@@ -373,11 +383,17 @@ class LinearEngine:
             if pos is not None:
                 self._next = (pos + 1) % len(self.sched)
             slot = self._free.popleft()
-            self._fetch(u, slot)
+            missed = True
         cal = self._calibration if self._calibrating else None
-        if cal is not None:
-            cal.before_wait(self.streamed[u].index)
-        self.transport.acquire(slot, self._compute_stream())
+        try:
+            if missed:
+                self._fetch(u, slot)
+            if cal is not None:
+                cal.before_wait(self.streamed[u].index)
+            self.transport.acquire(slot, self._compute_stream())
+        except BaseException:
+            self._free.append(slot)  # keep the slot usable: the error itself is what the caller sees
+            raise
         if cal is not None:
             cal.unit_begin(self.streamed[u].index)
         self._bind(self.streamed[u], self.slot_views[u][slot])
@@ -439,6 +455,9 @@ class LinearEngine:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.device))
             self._pending_cuda_calls.append((self._call_events, end, nbytes, misses))
+            if len(self._pending_cuda_calls) > _MAX_PENDING_CALLS:  # long done: resolving waits for nothing
+                self._resolve_calls(self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2])
+                del self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2]
         else:
             self.stats.calls.append(CallRecord(time.perf_counter() - self._call_t0, nbytes, misses))
         if clean and self._trace and self._trace != self.sched:
@@ -452,11 +471,14 @@ class LinearEngine:
             self._next = 0
             self._topup()
 
-    def call_records(self) -> list[CallRecord]:
-        """Per-call timings (CUDA calls are resolved here, which waits for them to finish)."""
-        for start, end, nbytes, misses in self._pending_cuda_calls:
+    def _resolve_calls(self, pending: list[tuple[Any, Any, int, int]]) -> None:
+        for start, end, nbytes, misses in pending:
             end.synchronize()
             self.stats.calls.append(CallRecord(start.elapsed_time(end) / 1e3, nbytes, misses))
+
+    def call_records(self) -> list[CallRecord]:
+        """Per-call timings (CUDA calls are resolved here, which waits for them to finish)."""
+        self._resolve_calls(self._pending_cuda_calls)
         self._pending_cuda_calls.clear()
         return self.stats.calls
 

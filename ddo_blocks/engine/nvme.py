@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import _native
 from ..budget import fmt_bytes
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, DdoError
 from ..presets import Preset
 from ..units import tensor_nbytes
 from . import bandwidth
@@ -248,11 +248,18 @@ class NvmeEngine(LinearEngine):
             # close() (after draining), and must not stop the rest of the removal.
             self._final_disk_stats = self.transport.disk_stats()
             self._final_transport_stats = self.transport.stats()
+            close_error: DdoError | None = None
             try:
                 with contextlib.suppress(CheckpointError):  # already raised by the call that met it
                     self.transport.close()
+            except DdoError as exc:  # finish the removal first
+                close_error = exc
             finally:
                 self.transport = None
+            if close_error is not None:
+                self._hollow_views = {}
+                super()._rollback()
+                raise close_error
         self._hollow_views = {}
         super()._rollback()
         if error is not None:

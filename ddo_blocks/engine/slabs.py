@@ -72,6 +72,25 @@ def warm_bytes() -> int:
     return sum(s.nbytes for s in _WARM.values())
 
 
+class PinnedBuffer:
+    """A page-locked uint8 host buffer of exactly ``nbytes``, registered by ddo_blocks and unpinned
+    by :meth:`close`. (``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host
+    allocator, which rounds up to a power of two and keeps the memory pinned for the process.)"""
+
+    def __init__(self, nbytes: int, ordinal: int):
+        self.storage, self.tensor = _alloc(nbytes)
+        self._registration = _native.HostRegistration(self.storage, self.tensor.data_ptr(), nbytes, ordinal)
+
+    def close(self) -> None:
+        self._registration.close()
+
+    def __enter__(self) -> PinnedBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _alloc(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     storage = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     skip = (-storage.data_ptr()) % PAGE
@@ -137,6 +156,10 @@ class SlabSet:
                 _WARM.pop(slab.ptr, None)
             self.host_views = [[p.data for _, p in unit.params] for unit in self.units]
             return
+        # Warm slabs that hold some of these tensors at another layout (another budget or preset): the
+        # tensors are copied out of them below, after which nothing points into them.
+        storages = {p.untyped_storage().data_ptr() for u in self.units for _, p in u.params if p.device.type == "cpu"}
+        stale = [w for w in _WARM.values() if w.storage.data_ptr() in storages]
         by_slab: list[list[int]] = [[] for _ in self.slab_sizes]
         for u, (s, _) in enumerate(self.placement):
             by_slab[s].append(u)
@@ -160,6 +183,9 @@ class SlabSet:
                         errors.append(exc)
                 if errors:
                     raise errors[0]
+        for w in stale:  # unpin and forget them (tensors outside these units keep their memory alive)
+            _WARM.pop(w.ptr, None)
+            w.close()
 
     def _fill_slab(self, s: int, size: int, units: list[int], loader: Any) -> Slab:
         storage, base = _alloc(size)
