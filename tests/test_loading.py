@@ -126,3 +126,20 @@ def test_loaded_on_cuda_equals_saved_model(saved, preset):
     with torch.no_grad():
         assert torch.equal(handle.module(**xc)[0], ref)
     handle.remove()
+
+
+def test_modules_kept_in_float32_stay_float32(tmp_path):
+    """As diffusers' own loader: `_keep_in_fp32_modules` (Wan's norms, time embedder...) stay float32."""
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    model.save_pretrained(tmp_path)
+    theirs = WanTransformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    handle = ddo_blocks.from_pretrained(WanTransformer3DModel, tmp_path, dtype=torch.bfloat16, device="cpu",
+                                        progress=False)
+    dtypes = {n: p.dtype for n, p in handle.module.named_parameters()}
+    assert {n: p.dtype for n, p in theirs.named_parameters()} == dtypes
+    assert torch.float32 in dtypes.values() and torch.bfloat16 in dtypes.values()
+    handle.remove()
