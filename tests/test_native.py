@@ -120,3 +120,25 @@ def test_copy_host_many():
     out = torch.zeros(150, dtype=torch.uint8)
     _native.copy_host_many([(out.data_ptr(), a.data_ptr(), 100), (out.data_ptr() + 100, b.data_ptr(), 50)])
     assert torch.equal(out, torch.cat([a, b]))
+
+
+def test_type_stubs_cover_the_extension():
+    """Every name the extension exports (and every method of its classes) is in _native.pyi."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(ddo_blocks.__file__).parent / "_native.pyi").read_text())
+    stubbed: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            stubbed[node.name] = {n.name for n in getattr(node, "body", []) if isinstance(n, ast.FunctionDef)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            stubbed[node.target.id] = set()
+    for name in dir(_native):
+        if name.startswith("_") and name != "__version__":
+            continue
+        assert name in stubbed, f"{name} missing from _native.pyi"
+        obj = getattr(_native, name)
+        if isinstance(obj, type) and not issubclass(obj, BaseException):
+            public = {m for m in vars(obj) if not m.startswith("_")}
+            assert public <= stubbed[name], f"{name}: {public - stubbed[name]} missing from _native.pyi"
