@@ -211,6 +211,7 @@ def build_report(handle: OffloadHandle) -> Report:
             copies=fetches,
             h2d_total_bytes=total_bytes,
             misses=engine.stats.misses,
+            reorders=engine.stats.reorders,
             order_changes=engine.stats.order_changes,
             host_wait_s=host_wait,
         )

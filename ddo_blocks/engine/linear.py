@@ -51,6 +51,7 @@ class EngineStats:
     pack_s: float = 0.0
     calls: list[CallRecord] = field(default_factory=list)
     misses: int = 0
+    reorders: int = 0
     order_changes: int = 0
 
 
@@ -344,6 +345,14 @@ class LinearEngine:
             self._fetch(u, slot)
             self._inflight.append((u, slot))
 
+    def _take_inflight(self, u: int) -> int | None:
+        """The slot of unit ``u`` if it is already in flight further down the queue."""
+        for i, (v, slot) in enumerate(self._inflight):
+            if v == u:
+                del self._inflight[i]
+                return slot
+        return None
+
     def _drop_inflight(self) -> None:
         while self._inflight:
             self._free.append(self._inflight.popleft()[1])
@@ -376,6 +385,9 @@ class LinearEngine:
         missed = False
         if self._inflight and self._inflight[0][0] == u:
             _, slot = self._inflight.popleft()
+        elif (taken := self._take_inflight(u)) is not None:
+            slot = taken  # prefetched, just not next (e.g. attention before the projection it was defined after)
+            self.stats.reorders += 1
         else:
             self.stats.misses += 1
             self._drop_inflight()
