@@ -313,3 +313,12 @@ def test_mixed_routes_exact_on_cuda_and_each_stage_within_budget(flux_dir):
     dec = reports["decode"]["vae"]
     assert dec["stage"]["gpu_peak_allocated"] - base <= budget + vae_bytes + slack
     remove_offload(pipe)
+
+
+def test_linear_route_option_units_passes_through():
+    from ddo_blocks.blocks.policy import OffloadPolicy
+
+    policy = OffloadPolicy(route="linear", options={"units": "child"})
+    assert policy.offload_kwargs()["units"] == "child"
+    with pytest.raises(ddo_blocks.ConfigError, match="units"):
+        OffloadPolicy(route="linear", options={"unit": "child"})

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..presets import ROUTES, resolve
 
 POLICY_KEYS = ("route", "preset", "vram_budget", "release")
-ROUTE_OPTIONS: dict[str, tuple[str, ...]] = {"nvme": ("ram_budget",)}
+ROUTE_OPTIONS: dict[str, tuple[str, ...]] = {"linear": ("units",), "nvme": ("ram_budget", "units")}
 """Options each route accepts besides the policy keys (the diffusers route's come from its engine).
 The nvme route needs the model's files, so a block's already-loaded component cannot use it:
 placing one raises ConfigError pointing to ``ddo_blocks.from_pretrained(..., route="nvme")``."""
