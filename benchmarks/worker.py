@@ -459,6 +459,19 @@ ATTACH = {
 }
 
 
+def _timed_calls(fwd, inputs: dict[str, Any], dev, n: int) -> list[float]:
+    """Wall seconds of ``n`` calls, each synchronised before and after."""
+    times = []
+    for _ in range(n):
+        _sync(dev)
+        t = time.perf_counter()
+        out = fwd(**inputs)
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+        del out
+    return times
+
+
 def _process_warmup(model, dev, dtype, ctx: dict[str, Any]) -> float:
     """One forward of a 1 + 1 block model of the same width and input shapes, before anything is
     attached: CUDA context, cuBLAS handles and the kernels of these shapes get loaded here, so a row's
@@ -545,14 +558,7 @@ def run_row(job: dict[str, Any], model) -> dict[str, Any]:
             if dev.type == "cuda":
                 row["gpu_setup_peak_allocated"] = torch.cuda.max_memory_allocated(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-            times = []
-            for _ in range(ctx["repeats"]):
-                _sync(dev)
-                t = time.perf_counter()
-                out = fwd(**inputs)
-                _sync(dev)
-                times.append(time.perf_counter() - t)
-                del out
+            times = _timed_calls(fwd, inputs, dev, ctx["repeats"])
         row["step_s"] = statistics.median(times)
         row["step_s_all"] = times
         row["step_s_min"] = min(times)
@@ -603,15 +609,8 @@ def _warm_rerun(attached: Attached, spec, dev, inputs, ctx) -> dict[str, Any]:
     res: dict[str, Any] = {"warm_setup_s": time.perf_counter() - t0}
     rep = h2.report().to_dict()
     res["warm_reused"] = rep["setup"].get("warm_reused")
-    times = []
     with torch.no_grad():
-        for _ in range(1 + max(1, ctx.get("warm_repeats", 2))):
-            _sync(dev)
-            t = time.perf_counter()
-            out = model(**inputs)
-            _sync(dev)
-            times.append(time.perf_counter() - t)
-            del out
+        times = _timed_calls(model, inputs, dev, 1 + max(1, ctx.get("warm_repeats", 2)))
     res["warm_first_call_s"] = times.pop(0)
     res["warm_step_s"] = statistics.median(times)
     return res

@@ -36,3 +36,14 @@ def budgets(module: torch.nn.Module, granularity: str = "block") -> dict[str, in
         "all_resident": total,
         "unlimited": None,
     }
+
+
+def cuda_reference(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, dict]:
+    """The model's all-resident output on the GPU (the model goes back to the CPU) and the inputs
+    moved to the GPU."""
+    xc = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    model.to("cuda")
+    with torch.no_grad():
+        ref = model(**xc)[0]
+    model.to("cpu")
+    return ref, xc

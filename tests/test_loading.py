@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import ddo_blocks
 
-from .helpers import budgets
+from .helpers import budgets, cuda_reference
 
 
 @pytest.fixture
@@ -115,11 +115,7 @@ def test_not_a_model_directory(tmp_path):
 def test_loaded_on_cuda_equals_saved_model(saved, preset):
     """Resident tensors go through the pinned staging pair, streamed ones into pinned slabs."""
     root, model, x, _ = saved
-    model.to("cuda")
-    xc = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
-    with torch.no_grad():
-        ref = model(**xc)[0]
-    model.to("cpu")
+    ref, xc = cuda_reference(model, x)
     handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, root / "sharded", preset=preset, device="cuda",
                                         vram_budget=budgets(model)["half"], progress=False)
     assert handle.report()["plan"]["resident_units"] > 0 and handle.report()["plan"]["streamed_units"] > 0

@@ -16,7 +16,7 @@ from ddo_blocks import _native
 from ddo_blocks.presets import ROUTES, describe, resolve
 from ddo_blocks.tiny import tiny_flux_transformer
 
-from .helpers import budgets
+from .helpers import budgets, cuda_reference
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
@@ -240,11 +240,7 @@ def test_native_reader_is_exact_and_reports_truncation(tmp_path):
 def test_cuda_exact_from_disk(saved, ram):
     """On the GPU: pinned staging ring, O_DIRECT reads, pinned RAM cache, exact output."""
     root, model, x, _ = saved
-    model.to("cuda")
-    xc = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
-    with torch.no_grad():
-        ref = model(**xc)[0]
-    model.to("cpu")
+    ref, xc = cuda_reference(model, x)
     ram_budget = {"zero": 0, "partial": _streamed_bytes(model) // 2, "everything": 1 << 40}[ram]
     handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, root / "sharded", route="nvme", ram_budget=ram_budget,
                                         device="cuda", vram_budget=budgets(model)["all_streamed"], progress=False,
