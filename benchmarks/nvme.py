@@ -148,7 +148,7 @@ def row_disk(args: argparse.Namespace) -> dict[str, Any]:
 
 def bench_bound(row: dict[str, Any], disk_bytes_per_s: float | None) -> float | None:
     """``max(compute, disk bytes / disk bandwidth, streamed / link)`` with the disk bandwidth measured by
-    the benchmark (large ``O_DIRECT`` reads) rather than the route's own 64 MiB probe."""
+    the benchmark (large ``O_DIRECT`` reads) rather than the route's own 256 MiB probe."""
     roof = (row.get("report") or {}).get("roofline") or {}
     plan = (row.get("report") or {}).get("plan") or {}
     if roof.get("compute_s") is None or not disk_bytes_per_s:
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# NVMe route, {doc['date']}", "", f"Command: `{doc['command']}`; weights {total / GiB:.2f} GiB.", "",
         f"Disk, page cache bypassed (O_DIRECT {disk.get('direct')}, {(disk.get('bytes') or 0) / GiB:.1f} GiB of "
         f"{disk.get('file')}): {_fmt(disk.get('gb_s_1'), 2)} GB/s with 1 reader, {_fmt(disk.get('gb_s_8'), 2)} GB/s "
-        "with 8. `bound s` uses the route's own 64 MiB probe (`disk GB/s`); `bench bound s` this measurement.", "",
+        "with 8. `bound s` uses the route's own 256 MiB probe (`disk GB/s`); `bench bound s` this measurement.", "",
         "| route | VRAM budget | RAM budget | step s | bound s | step / bound | bench bound s | step / bench bound "
         "| disk GB/s | RSS above start GiB | peak GPU GiB | setup s | exact |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -61,13 +61,13 @@ def _measure_cpu() -> float:
     return 3 * n / max(time.perf_counter() - t0, 1e-9)
 
 
-DISK_PROBE_BYTES = 64 << 20
+DISK_PROBE_BYTES = 256 << 20
 
 
 def disk_bytes_per_s(path: str | os.PathLike, threads: int = 8) -> tuple[float, str]:
     """Read bandwidth of the disk holding ``path`` (B/s) and how it was obtained.
 
-    ``DDO_DISK_GBPS`` (decimal GB/s) overrides the measurement. Otherwise the first 64 MiB of
+    ``DDO_DISK_GBPS`` (decimal GB/s) overrides the measurement. Otherwise the first 256 MiB of
     ``path`` (the model's own file) are read once with the NVMe route's reader: ``threads``
     parallel 4 MiB positional reads, ``O_DIRECT`` where the filesystem allows it, so the page cache
     does not flatter the figure. Without ``O_DIRECT`` (tmpfs, some network filesystems) the file may

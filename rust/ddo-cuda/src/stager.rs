@@ -9,10 +9,15 @@
 //! (page-locked RAM-cache slabs) are copied straight to the slot by this thread, in FIFO order
 //! with the file jobs.
 //!
-//! Ordering: for each job the thread makes the copy stream wait for the slot's "consumed" event,
-//! then for each chunk waits (host side) until the buffer's previous upload finished, fills it on a
-//! dedicated rayon pool, queues the upload and records the buffer's event; at the end it records
-//! the slot's "arrived" event. The compute stream never waits on the host.
+//! Read-ahead: file chunks are read into every free ring buffer as soon as their jobs are queued,
+//! across chunk and job boundaries, on a dedicated rayon pool (each chunk in 4 MiB positional
+//! pieces), so the disk never waits for an upload or for the next job; the chunks' uploads are
+//! queued strictly in job order as their reads finish.
+//!
+//! Ordering: before a job's first upload the thread makes the copy stream wait for the slot's
+//! "consumed" event; a buffer is refilled only after (host side) its previous upload finished; each
+//! upload records the buffer's event, and a job's last one records the slot's "arrived" event. The
+//! compute stream never waits on the host.
 
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -195,10 +200,297 @@ impl Drop for Stager {
     }
 }
 
+/// Completion of one chunk's reads, which run on the reader pool.
+#[derive(Default)]
+struct ReadDone {
+    result: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+}
+
+impl ReadDone {
+    fn set(&self, r: Result<()>) {
+        let mut g = match self.result.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        *g = Some(r);
+        self.cv.notify_all();
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut g = match self.result.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        loop {
+            if let Some(r) = g.as_ref() {
+                return r.clone();
+            }
+            g = match self.cv.wait(g) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+    }
+}
+
+/// One queued step of the worker. Steps finish (their uploads are queued) in submission order.
+enum Step {
+    /// Chunk `index` of a file job, being read into ring buffer `buffer`.
+    Chunk {
+        slot: usize,
+        dst: usize,
+        unit: Arc<FileUnit>,
+        index: usize,
+        buffer: usize,
+        read: Arc<ReadDone>,
+    },
+    /// A job without reads (a host address, or a file unit without bytes), run when it is oldest.
+    Whole(Job),
+}
+
+/// The worker's state: file chunks are read ahead into every free ring buffer, across chunk and
+/// job boundaries, so the disk always has the reader pool's worth of reads queued; their uploads
+/// are queued in order as the reads finish.
+struct Pipeline {
+    target: Target,
+    events: Option<Arc<SlotEvents>>,
+    ring: Ring,
+    pool: rayon::ThreadPool,
+    steps: std::collections::VecDeque<Step>,
+    /// A file job some of whose chunks are not started yet: the job, its unit, the next chunk.
+    cursor: Option<(Job, Arc<FileUnit>, usize)>,
+    /// Ring buffers that no queued chunk holds.
+    free: std::collections::VecDeque<usize>,
+}
+
+impl Pipeline {
+    fn stream(&self) -> Option<crate::driver::Stream> {
+        match self.target {
+            Target::Cuda { copy_stream, .. } => Some(copy_stream),
+            Target::Cpu => None,
+        }
+    }
+
+    /// Copies `len` bytes from host address `src` into the slot at `dst`: queued on the copy
+    /// stream (CUDA) or done now (CPU).
+    fn put(&self, dst: usize, src: usize, len: usize) -> Result<()> {
+        match self.stream() {
+            Some(s) => h2d_async(dst, src, len, s),
+            None => {
+                copy_host(dst, src, len);
+                Ok(())
+            }
+        }
+    }
+
+    /// Makes the copy stream wait until the slot's previous unit was consumed.
+    fn wait_consumed(&self, slot: usize) -> Result<()> {
+        match (self.stream(), self.events.as_deref()) {
+            (Some(s), Some(ev)) => ev.consumed[slot].wait_on(s),
+            _ => Ok(()),
+        }
+    }
+
+    fn record_arrived(&self, slot: usize) -> Result<()> {
+        match (self.stream(), self.events.as_deref()) {
+            (Some(s), Some(ev)) => ev.arrived[slot].record(s),
+            _ => Ok(()),
+        }
+    }
+
+    fn record_uploaded(&self, buffer: usize) -> Result<()> {
+        match (self.stream(), self.ring.uploaded.get(buffer)) {
+            (Some(s), Some(ev)) => ev.record(s),
+            _ => Ok(()),
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.steps.is_empty() && self.cursor.is_none()
+    }
+
+    /// A host job staged through the ring uses every buffer: no read may start until it ran.
+    fn reads_blocked(&self) -> bool {
+        matches!(self.steps.back(), Some(Step::Whole(j)) if self.ring.stage_host && matches!(j.source, Source::Host(_)))
+    }
+
+    /// Takes new jobs and starts chunk reads while a ring buffer is free. Blocks for a job only
+    /// when nothing is queued. Counts the jobs taken in `received`.
+    fn start_reads(
+        &mut self,
+        rx: &mpsc::Receiver<Job>,
+        open: &mut bool,
+        received: &mut u64,
+    ) -> Result<()> {
+        loop {
+            if self.reads_blocked() {
+                return Ok(());
+            }
+            let Some((job, unit, index)) = self.cursor.take() else {
+                if !*open {
+                    return Ok(());
+                }
+                let next = if self.steps.is_empty() {
+                    rx.recv().ok()
+                } else {
+                    match rx.try_recv() {
+                        Ok(j) => Some(j),
+                        Err(mpsc::TryRecvError::Empty) => return Ok(()),
+                        Err(mpsc::TryRecvError::Disconnected) => None,
+                    }
+                };
+                let Some(job) = next else {
+                    *open = false;
+                    return Ok(());
+                };
+                *received += 1;
+                match &job.source {
+                    Source::File(unit) if !unit.chunks.is_empty() => {
+                        let unit = Arc::clone(unit);
+                        self.cursor = Some((job, unit, 0));
+                    }
+                    _ => self.steps.push_back(Step::Whole(job)),
+                }
+                continue;
+            };
+            let Some(&buffer) = self.free.front() else {
+                self.cursor = Some((job, unit, index));
+                return Ok(());
+            };
+            let buf = &self.ring.buffers[buffer];
+            let (_, chunk) = &unit.chunks[index];
+            if chunk.len as usize > buf.len() {
+                return Err(CudaError::InvalidArgument(format!(
+                    "a read chunk of {} bytes does not fit a {}-byte staging buffer",
+                    chunk.len,
+                    buf.len()
+                )));
+            }
+            // The buffer's previous upload must have left it before the reads overwrite it.
+            if let Some(ev) = self.ring.uploaded.get(buffer) {
+                ev.synchronize()?;
+            }
+            self.free.pop_front();
+            let read = Arc::new(ReadDone::default());
+            let (task_unit, task_read, ptr) = (Arc::clone(&unit), Arc::clone(&read), buf.ptr());
+            self.pool.spawn(move || {
+                let (file, chunk) = &task_unit.chunks[index];
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    file.read_chunk(
+                        chunk.offset,
+                        chunk.len as usize,
+                        chunk.needed as usize,
+                        ptr,
+                    )
+                }))
+                .unwrap_or_else(|_| Err(CudaError::Staging("a reader thread panicked".into())));
+                task_read.set(r);
+            });
+            self.steps.push_back(Step::Chunk {
+                slot: job.slot,
+                dst: job.dst,
+                unit: Arc::clone(&unit),
+                index,
+                buffer,
+                read,
+            });
+            if index + 1 < unit.chunks.len() {
+                self.cursor = Some((job, unit, index + 1));
+            }
+        }
+    }
+
+    /// Finishes the oldest step: waits for its reads and queues its uploads. Returns whether a
+    /// job is now complete (its last upload and its "arrived" event are queued).
+    fn finish_oldest(&mut self) -> Result<bool> {
+        let Some(step) = self.steps.pop_front() else {
+            return Ok(false);
+        };
+        match step {
+            Step::Whole(job) => {
+                self.run_whole(&job)?;
+                Ok(true)
+            }
+            Step::Chunk {
+                slot,
+                dst,
+                unit,
+                index,
+                buffer,
+                read,
+            } => {
+                let r = read.wait();
+                self.free.push_back(buffer);
+                r?;
+                if index == 0 {
+                    self.wait_consumed(slot)?;
+                }
+                let src = self.ring.buffers[buffer].ptr();
+                for c in &unit.chunks[index].1.copies {
+                    self.put(dst + c.dst as usize, src + c.buf_off as usize, c.len as usize)?;
+                }
+                self.record_uploaded(buffer)?;
+                let last = index + 1 == unit.chunks.len();
+                if last {
+                    self.record_arrived(slot)?;
+                }
+                Ok(last)
+            }
+        }
+    }
+
+    fn run_whole(&mut self, job: &Job) -> Result<()> {
+        self.wait_consumed(job.slot)?;
+        match &job.source {
+            Source::Host(src) if !self.ring.stage_host => self.put(job.dst, *src, job.n)?,
+            Source::Host(src) => {
+                // No chunk is queued (reads_blocked), so every buffer is free for this job.
+                let mut off = 0usize;
+                while off < job.n {
+                    let b = self.ring.take()?;
+                    let buf = &self.ring.buffers[b];
+                    let len = buf.len().min(job.n - off);
+                    self.pool.install(|| copy_host(buf.ptr(), src + off, len));
+                    self.put(job.dst + off, buf.ptr(), len)?;
+                    self.record_uploaded(b)?;
+                    off += len;
+                }
+            }
+            Source::File(_) => {} // a unit without bytes
+        }
+        self.record_arrived(job.slot)
+    }
+
+    /// After an error: waits for every read in flight (they write into the ring) and drops the
+    /// queued steps.
+    fn abandon(&mut self) {
+        for step in self.steps.drain(..) {
+            if let Step::Chunk { read, .. } = step {
+                let _ = read.wait();
+            }
+        }
+        self.cursor = None;
+        self.free = (0..self.ring.buffers.len()).collect();
+    }
+}
+
+fn publish(shared: &Shared, done: u64, failed: &Option<CudaError>) {
+    let mut state = match shared.state.lock() {
+        Ok(s) => s,
+        Err(p) => p.into_inner(),
+    };
+    state.done = done;
+    if state.error.is_none() {
+        state.error = failed.clone();
+    }
+    shared.cv.notify_all();
+}
+
 fn worker(
     target: Target,
     events: Option<Arc<SlotEvents>>,
-    mut ring: Ring,
+    ring: Ring,
     pool: rayon::ThreadPool,
     rx: mpsc::Receiver<Job>,
     shared: Arc<Shared>,
@@ -208,113 +500,46 @@ fn worker(
         Target::Cpu => Ok(()),
     };
     let mut failed = setup.err();
-    let mut done = 0u64;
-    for job in rx {
-        if failed.is_none() {
-            // A panic must not kill the worker silently: waiters would block forever.
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                run_job(target, events.as_deref(), &mut ring, &pool, job)
-            }));
-            match outcome {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => failed = Some(e),
-                Err(_) => failed = Some(CudaError::Staging("the staging thread panicked".into())),
+    let free = (0..ring.buffers.len()).collect();
+    let mut p = Pipeline {
+        target,
+        events,
+        ring,
+        pool,
+        steps: Default::default(),
+        cursor: None,
+        free,
+    };
+    let (mut received, mut done, mut open) = (0u64, 0u64, true);
+    while failed.is_none() && (open || !p.idle()) {
+        // A panic must not kill the worker silently: waiters would block forever.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<bool> {
+            p.start_reads(&rx, &mut open, &mut received)?;
+            p.finish_oldest()
+        }));
+        match outcome {
+            Ok(Ok(true)) => {
+                done += 1;
+                publish(&shared, done, &None);
             }
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => failed = Some(e),
+            Err(_) => failed = Some(CudaError::Staging("the staging thread panicked".into())),
         }
-        done += 1;
-        let mut state = match shared.state.lock() {
-            Ok(s) => s,
-            Err(p) => p.into_inner(),
-        };
-        state.done = done;
-        if state.error.is_none() {
-            state.error = failed.clone();
+    }
+    if failed.is_some() {
+        // Jobs taken, in flight or still to come count as done (skipped) so that waiters return.
+        p.abandon();
+        publish(&shared, received, &failed);
+        for _ in rx.iter() {
+            received += 1;
+            publish(&shared, received, &failed);
         }
-        shared.cv.notify_all();
     }
     // Uploads from the ring may still be in flight: finish them before the buffers are unmapped.
-    for ev in &ring.uploaded {
+    for ev in &p.ring.uploaded {
         if let Err(e) = ev.synchronize() {
             tracing::warn!("waiting for staging uploads at shutdown: {e}");
         }
     }
-}
-
-fn run_job(
-    target: Target,
-    events: Option<&SlotEvents>,
-    ring: &mut Ring,
-    pool: &rayon::ThreadPool,
-    job: Job,
-) -> Result<()> {
-    let stream = match target {
-        Target::Cuda { copy_stream, .. } => Some(copy_stream),
-        Target::Cpu => None,
-    };
-    if let (Some(s), Some(ev)) = (stream, events) {
-        ev.consumed[job.slot].wait_on(s)?;
-    }
-    // Copies `len` bytes from host address `src` into the slot at `dst`: queued on the copy stream
-    // (CUDA) or done now (CPU).
-    let put = |dst: usize, src: usize, len: usize| -> Result<()> {
-        match stream {
-            Some(s) => h2d_async(dst, src, len, s),
-            None => {
-                copy_host(dst, src, len);
-                Ok(())
-            }
-        }
-    };
-    match &job.source {
-        Source::Host(src) if !ring.stage_host => put(job.dst, *src, job.n)?,
-        Source::Host(src) => {
-            let mut off = 0usize;
-            while off < job.n {
-                let b = ring.take()?;
-                let buf = &ring.buffers[b];
-                let len = buf.len().min(job.n - off);
-                pool.install(|| copy_host(buf.ptr(), src + off, len));
-                put(job.dst + off, buf.ptr(), len)?;
-                if let (Some(s), Some(ev)) = (stream, ring.uploaded.get(b)) {
-                    ev.record(s)?;
-                }
-                off += len;
-            }
-        }
-        Source::File(unit) => {
-            for (file, chunk) in &unit.chunks {
-                let b = ring.take()?;
-                let buf = &ring.buffers[b];
-                if chunk.len as usize > buf.len() {
-                    return Err(CudaError::InvalidArgument(format!(
-                        "a read chunk of {} bytes does not fit a {}-byte staging buffer",
-                        chunk.len,
-                        buf.len()
-                    )));
-                }
-                pool.install(|| {
-                    file.read_chunk(
-                        chunk.offset,
-                        chunk.len as usize,
-                        chunk.needed as usize,
-                        buf.ptr(),
-                    )
-                })?;
-                for c in &chunk.copies {
-                    put(
-                        job.dst + c.dst as usize,
-                        buf.ptr() + c.buf_off as usize,
-                        c.len as usize,
-                    )?;
-                }
-                if let (Some(s), Some(ev)) = (stream, ring.uploaded.get(b)) {
-                    ev.record(s)?;
-                }
-            }
-        }
-    }
-    if let (Some(s), Some(ev)) = (stream, events) {
-        ev.arrived[job.slot].record(s)?;
-    }
-    Ok(())
 }

@@ -445,6 +445,96 @@ mod tests {
         file_units(true);
     }
 
+    /// Every slot's job queued before any is acquired: chunks of later jobs are read ahead while
+    /// earlier ones upload; host jobs (straight or staged through the ring) keep their place.
+    fn read_ahead(stage_host: bool) {
+        let dir = std::env::temp_dir().join(format!(
+            "ddo-readahead-{}-{stage_host}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data: Vec<u8> = (0..2_000_003).map(|i| ((i * 31 + 3) % 251) as u8).collect();
+        let path = dir.join("w.bin");
+        std::fs::write(&path, &data).unwrap();
+        let slots_n = 5;
+        let mut t = Transport::new(
+            Target::Cpu,
+            slots_n,
+            Some(Staging {
+                buffers: 3,
+                buffer_bytes: 4 * 4096,
+                threads: 4,
+                pinned: false,
+                stage_host,
+            }),
+        )
+        .unwrap();
+        t.open_file(&path, true).unwrap();
+        // 24 units of 3 to 70 KiB each (1 to 5 chunks), at odd offsets
+        let units: Vec<(usize, u64, usize)> = (0..24u64)
+            .map(|u| {
+                let len = 3000 + (u as usize * 2917) % 70_000;
+                let off = 1 + u * 81_111;
+                let piece = ddo_core::ReadPiece {
+                    file: 0,
+                    offset: off,
+                    len: len as u64,
+                    dst: 0,
+                };
+                (t.add_file_unit(&[piece], 0).unwrap(), off, len)
+            })
+            .collect();
+        let host: Vec<u8> = (0..50_000).map(|i| (i % 13) as u8).collect();
+        let mut slots = vec![vec![0u8; 80_000]; slots_n];
+        for round in 0..3 {
+            let mut jobs = Vec::new();
+            for (k, &(id, off, len)) in units.iter().enumerate() {
+                let s = k % slots_n;
+                if k >= slots_n {
+                    // the slot's previous job must be checked and released before refilling it
+                    let (ps, expect): (usize, &[u8]) = jobs[k - slots_n];
+                    t.acquire(ps, Stream(0)).unwrap();
+                    assert_eq!(&slots[ps][..expect.len()], expect, "round {round} job {}", k - slots_n);
+                    t.release(ps, Stream(0)).unwrap();
+                }
+                let dst = slots[s].as_mut_ptr() as usize;
+                if (k + round) % 5 == 0 {
+                    t.fetch(s, dst, host.as_ptr() as usize, host.len()).unwrap();
+                    jobs.push((s, &host[..]));
+                } else {
+                    t.fetch_file(s, dst, id).unwrap();
+                    jobs.push((s, &data[off as usize..off as usize + len]));
+                }
+            }
+            for &(s, expect) in &jobs[units.len() - slots_n..] {
+                t.acquire(s, Stream(0)).unwrap();
+                assert_eq!(&slots[s][..expect.len()], expect, "round {round} tail");
+                t.release(s, Stream(0)).unwrap();
+            }
+        }
+        t.drain().unwrap();
+        // an error in the middle of a queue of jobs fails the waits and the drain, never hangs
+        std::fs::write(&path, &data[..100_000]).unwrap();
+        for s in 0..slots_n {
+            t.fetch_file(s, slots[s].as_mut_ptr() as usize, units[s].0).unwrap();
+        }
+        let err = t.acquire(slots_n - 1, Stream(0)).unwrap_err();
+        assert!(err.to_string().contains("w.bin"), "{err}");
+        assert!(t.drain().is_err());
+        drop(t);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn cpu_read_ahead_with_direct_host_jobs() {
+        read_ahead(false);
+    }
+
+    #[test]
+    fn cpu_read_ahead_with_staged_host_jobs() {
+        read_ahead(true);
+    }
+
     #[test]
     fn file_units_need_a_ring_and_valid_indices() {
         let mut t = Transport::new(Target::Cpu, 2, None).unwrap();
