@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import _native
-from .engine.slabs import PinnedBuffer
+from .engine.upload import STAGING_BYTES, staged_upload
 from .errors import CheckpointError, ConfigError
 
 _DTYPES = {
@@ -27,8 +27,6 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
-_STAGING_BYTES = 256 << 20
-"""Each of the two page-locked buffers that carry resident tensors from the files to the GPU."""
 
 
 @dataclass(frozen=True)
@@ -200,44 +198,11 @@ class Loader:
         batch: list[tuple[TensorSource, torch.Tensor]] = []
         for t, out in zip(tensors, outs):
             src = self.take(t)
-            if src.dtype != t.dtype or src.nbytes > _STAGING_BYTES:
+            if src.dtype != t.dtype or src.nbytes > STAGING_BYTES:
                 self.fill(src, out)  # casts, or too big for the staging buffer
             else:
                 batch.append((src, out))
-        if not batch:
-            return outs
-        stream = torch.cuda.current_stream(device)
-        pinned = [PinnedBuffer(_STAGING_BYTES, device.index or 0) for _ in range(2)]
-        buffers = [b.tensor for b in pinned]
-        done = [torch.cuda.Event(), torch.cuda.Event()]
-        turn, used, pending = 0, 0, []
-
-        def flush() -> None:
-            nonlocal turn, used, pending
-            if not pending:
-                return
-            buf = buffers[turn]
-            views = []
-            for src, out, off in pending:
-                views.append((src, buf[off: off + src.nbytes].view(src.dtype).view(src.shape), out))
-            self.read_many([(src, v) for src, v, _ in views])
-            for _, v, out in views:
-                out.copy_(v, non_blocking=True)
-            done[turn].record(stream)
-            turn, used, pending = 1 - turn, 0, []
-            done[turn].synchronize()  # the other buffer's uploads finished: it can be refilled
-
-        try:
-            for src, out in batch:
-                if used + src.nbytes > _STAGING_BYTES:
-                    flush()
-                pending.append((src, out, used))
-                used += (src.nbytes + 255) // 256 * 256
-            flush()
-        finally:
-            stream.synchronize()  # no upload may still read a buffer when it is unpinned
-            for b in pinned:
-                b.close()
+        staged_upload(batch, device, lambda src: src.nbytes, self.read_many)
         return outs
 
     def close(self) -> None:

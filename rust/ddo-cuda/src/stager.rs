@@ -377,12 +377,7 @@ impl Pipeline {
             self.pool.spawn(move || {
                 let (file, chunk) = &task_unit.chunks[index];
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    file.read_chunk(
-                        chunk.offset,
-                        chunk.len as usize,
-                        chunk.needed as usize,
-                        ptr,
-                    )
+                    file.read_chunk(chunk.offset, chunk.len as usize, chunk.needed as usize, ptr)
                 }))
                 .unwrap_or_else(|_| Err(CudaError::Staging("a reader thread panicked".into())));
                 task_read.set(r);
@@ -428,7 +423,11 @@ impl Pipeline {
                 }
                 let src = self.ring.buffers[buffer].ptr();
                 for c in &unit.chunks[index].1.copies {
-                    self.put(dst + c.dst as usize, src + c.buf_off as usize, c.len as usize)?;
+                    self.put(
+                        dst + c.dst as usize,
+                        src + c.buf_off as usize,
+                        c.len as usize,
+                    )?;
                 }
                 self.record_uploaded(buffer)?;
                 let last = index + 1 == unit.chunks.len();

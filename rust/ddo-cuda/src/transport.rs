@@ -448,10 +448,8 @@ mod tests {
     /// Every slot's job queued before any is acquired: chunks of later jobs are read ahead while
     /// earlier ones upload; host jobs (straight or staged through the ring) keep their place.
     fn read_ahead(stage_host: bool) {
-        let dir = std::env::temp_dir().join(format!(
-            "ddo-readahead-{}-{stage_host}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("ddo-readahead-{}-{stage_host}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let data: Vec<u8> = (0..2_000_003).map(|i| ((i * 31 + 3) % 251) as u8).collect();
         let path = dir.join("w.bin");
@@ -494,7 +492,12 @@ mod tests {
                     // the slot's previous job must be checked and released before refilling it
                     let (ps, expect): (usize, &[u8]) = jobs[k - slots_n];
                     t.acquire(ps, Stream(0)).unwrap();
-                    assert_eq!(&slots[ps][..expect.len()], expect, "round {round} job {}", k - slots_n);
+                    assert_eq!(
+                        &slots[ps][..expect.len()],
+                        expect,
+                        "round {round} job {}",
+                        k - slots_n
+                    );
                     t.release(ps, Stream(0)).unwrap();
                 }
                 let dst = slots[s].as_mut_ptr() as usize;
@@ -516,7 +519,8 @@ mod tests {
         // an error in the middle of a queue of jobs fails the waits and the drain, never hangs
         std::fs::write(&path, &data[..100_000]).unwrap();
         for s in 0..slots_n {
-            t.fetch_file(s, slots[s].as_mut_ptr() as usize, units[s].0).unwrap();
+            t.fetch_file(s, slots[s].as_mut_ptr() as usize, units[s].0)
+                .unwrap();
         }
         let err = t.acquire(slots_n - 1, Stream(0)).unwrap_err();
         assert!(err.to_string().contains("w.bin"), "{err}");
