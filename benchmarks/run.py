@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,8 @@ def parser() -> argparse.ArgumentParser:
         "--routes",
         default="all",
         help="comma list of: all, resident, ours (= linear), ours:PRESET, diffusers, diffusers:block_level, "
-        "diffusers:leaf_level, ddo, ddo:one_shot_fast, ddo:low_ram_safe (default all)",
+        "diffusers:leaf_level, ddo, ddo:one_shot_fast, ddo:low_ram_safe (default all); ROUTE@B1/B2 runs "
+        "that route at its own budgets instead of --budgets (ours:one_shot_fast@7/16)",
     )
     g.add_argument(
         "--budgets",
@@ -252,12 +254,13 @@ def expand_routes(text: str) -> list[str]:
                 out.append(s)
     known = {s for v in GROUPS.values() for s in v}
     for s in out:
+        s = s.partition("@")[0]  # ROUTE@B1/B2: this route at its own budgets
         if s not in known and not s.startswith("ours:"):
             raise SystemExit(
                 f"unknown route {s!r}; use {', '.join(sorted(set(GROUPS) | known))} or ours:PRESET"
             )
     order = {s: i for i, s in enumerate(SELECTORS_ALL)}
-    return sorted(out, key=lambda s: (order.get(s, len(order)), out.index(s)))
+    return sorted(out, key=lambda s: (order.get(s.partition("@")[0], len(order)), out.index(s)))
 
 
 def _safe(s: str) -> str:
@@ -265,10 +268,16 @@ def _safe(s: str) -> str:
 
 
 def make_specs(
-    selectors: list[str], budgets: list[tuple[str, int]], ddo_low: list[tuple[str, int]], device: str
+    selectors: list[str],
+    budgets: list[tuple[str, int]],
+    ddo_low: list[tuple[str, int]],
+    device: str,
+    parse: Callable[[str], tuple[str, int]] | None = None,
 ) -> list[dict[str, Any]]:
     specs = []
     for sel in selectors:
+        sel, _, own_text = sel.partition("@")
+        own = [parse(t) for t in own_text.split("/")] if own_text and parse else None
         route, _, sub = sel.partition(":")
         if route == "resident":
             specs.append(
@@ -281,7 +290,7 @@ def make_specs(
                 }
             )
         elif route == "ours":
-            for lab, n in budgets:
+            for lab, n in own or budgets:
                 specs.append(
                     {"route": "ours", "preset": sub, "budget": lab, "budget_bytes": n, "offload_type": None}
                 )
@@ -296,7 +305,7 @@ def make_specs(
                 }
             )
         elif route == "ddo":
-            for lab, n in budgets if sub == "one_shot_fast" else ddo_low:
+            for lab, n in own or (budgets if sub == "one_shot_fast" else ddo_low):
                 specs.append(
                     {
                         "route": "ddo",
@@ -584,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in (a.ddo_low_ram_budgets or ("0.85x" if a.tiny else "4")).split(",")
     ]
     selectors = expand_routes(a.routes)
-    specs = make_specs(selectors, budgets, ddo_low, a.device)
+    specs = make_specs(selectors, budgets, ddo_low, a.device, lambda t: parse_budget(t, wbytes, minimum))
 
     versions = _versions()
     notes: list[str] = []
