@@ -14,6 +14,7 @@ mod error;
 mod event;
 mod host;
 mod reader;
+mod readpool;
 mod stager;
 mod transport;
 

@@ -76,19 +76,29 @@ impl ReadFile {
     /// The caller guarantees that `dst` points to `len` writable bytes nobody else touches until
     /// this returns.
     pub fn read_chunk(&self, offset: u64, len: usize, needed: usize, dst: usize) -> Result<()> {
-        let mask = ALIGN - 1; // ALIGN is a power of two
-        let aligned = (offset as usize | len | dst) & mask == 0;
-        let pieces = len.div_ceil(PIECE);
-        let run = |direct: bool| -> std::io::Result<()> {
-            (0..pieces).into_par_iter().try_for_each(|i| {
-                let o = i * PIECE;
-                let n = PIECE.min(len - o);
-                let want = needed.saturating_sub(o).min(n);
-                self.read_piece(direct, offset + o as u64, n, want, dst + o)
-            })
-        };
+        let aligned = chunk_is_aligned(offset, len, dst);
+        (0..len.div_ceil(PIECE)).into_par_iter().try_for_each(|i| {
+            let o = i * PIECE;
+            let n = PIECE.min(len - o);
+            let want = needed.saturating_sub(o).min(n);
+            self.read_span(aligned, offset + o as u64, n, want, dst + o)
+        })
+    }
+
+    /// Reads one piece of a chunk: `n` bytes at `offset` into `dst`, of which the first `want` must
+    /// exist. `O_DIRECT` when the chunk is `aligned` and the file allows it; a filesystem that
+    /// refuses it (`EINVAL`) turns it off for the file and the piece is read through the page
+    /// cache, whose pages are then dropped.
+    pub fn read_span(
+        &self,
+        aligned: bool,
+        offset: u64,
+        n: usize,
+        want: usize,
+        dst: usize,
+    ) -> Result<()> {
         if aligned && self.is_direct() {
-            match run(true) {
+            match self.read_piece(true, offset, n, want, dst) {
                 Ok(()) => return Ok(()),
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     tracing::info!(
@@ -100,12 +110,12 @@ impl ReadFile {
                 Err(e) => return Err(read_err(&self.path, "reading", e)),
             }
         }
-        run(false).map_err(|e| read_err(&self.path, "reading", e))?;
-        self.drop_cached(offset, len);
+        self.read_piece(false, offset, n, want, dst)
+            .map_err(|e| read_err(&self.path, "reading", e))?;
+        self.drop_cached(offset, n);
         Ok(())
     }
 
-    /// Reads until `n` bytes are in or the file ends; fails if fewer than `want` arrived.
     fn read_piece(
         &self,
         direct: bool,
@@ -158,6 +168,11 @@ impl ReadFile {
             );
         }
     }
+}
+
+/// Whether a chunk's offset, length and destination all sit on [`ALIGN`] (the `O_DIRECT` rule).
+pub fn chunk_is_aligned(offset: u64, len: usize, dst: usize) -> bool {
+    (offset as usize | len | dst) & (ALIGN - 1) == 0
 }
 
 fn read_err(path: &Path, what: &str, e: std::io::Error) -> CudaError {

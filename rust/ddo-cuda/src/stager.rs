@@ -10,9 +10,10 @@
 //! with the file jobs.
 //!
 //! Read-ahead: file chunks are read into every free ring buffer as soon as their jobs are queued,
-//! across chunk and job boundaries, on a dedicated rayon pool (each chunk in 4 MiB positional
-//! pieces), so the disk never waits for an upload or for the next job; the chunks' uploads are
-//! queued strictly in job order as their reads finish.
+//! across chunk and job boundaries, by the reader pool ([`crate::readpool`]: 4 MiB positional
+//! pieces from one FIFO queue), so the disk never waits for an upload or for the next job. The
+//! thread sleeps until a read ends *or* a job arrives, and queues the chunks' uploads strictly in
+//! job order as their reads finish.
 //!
 //! Ordering: before a job's first upload the thread makes the copy stream wait for the slot's
 //! "consumed" event; a buffer is refilled only after (host side) its previous upload finished; each
@@ -30,6 +31,7 @@ use crate::error::{CudaError, Result};
 use crate::event::Event;
 use crate::host::{copy_host, HostBuffer};
 use crate::reader::ReadFile;
+use crate::readpool::{ChunkRead, ReadPool, Wake};
 use crate::transport::{h2d_async, SlotEvents, Staging, Target};
 
 /// A unit streamed from files: its read plan, each chunk with the file it reads.
@@ -73,6 +75,7 @@ struct Shared {
 pub(crate) struct Stager {
     tx: Option<mpsc::Sender<Job>>,
     shared: Arc<Shared>,
+    wake: Arc<Wake>,
     thread: Option<JoinHandle<()>>,
     submitted: u64,
 }
@@ -138,13 +141,16 @@ impl Stager {
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared::default());
         let worker_shared = Arc::clone(&shared);
+        let wake = Arc::new(Wake::default());
+        let worker_wake = Arc::clone(&wake);
         let thread = std::thread::Builder::new()
             .name("ddo-stager".into())
-            .spawn(move || worker(target, events, ring, pool, rx, worker_shared))
+            .spawn(move || worker(target, events, ring, pool, rx, worker_shared, worker_wake))
             .map_err(|e| CudaError::Staging(format!("cannot start the staging thread: {e}")))?;
         Ok(Self {
             tx: Some(tx),
             shared,
+            wake,
             thread: Some(thread),
             submitted: 0,
         })
@@ -158,6 +164,7 @@ impl Stager {
             .ok_or_else(|| CudaError::Staging("stager is shut down".into()))?;
         tx.send(job)
             .map_err(|_| CudaError::Staging("the staging thread has exited".into()))?;
+        self.wake.bump(); // the worker may be waiting for a read while it could start this job's
         self.submitted += 1;
         Ok(self.submitted)
     }
@@ -192,44 +199,11 @@ impl Stager {
 impl Drop for Stager {
     fn drop(&mut self) {
         self.tx.take();
+        self.wake.bump();
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
                 tracing::warn!("the staging thread panicked");
             }
-        }
-    }
-}
-
-/// Completion of one chunk's reads, which run on the reader pool.
-#[derive(Default)]
-struct ReadDone {
-    result: Mutex<Option<Result<()>>>,
-    cv: Condvar,
-}
-
-impl ReadDone {
-    fn set(&self, r: Result<()>) {
-        let mut g = match self.result.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-        *g = Some(r);
-        self.cv.notify_all();
-    }
-
-    fn wait(&self) -> Result<()> {
-        let mut g = match self.result.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-        loop {
-            if let Some(r) = g.as_ref() {
-                return r.clone();
-            }
-            g = match self.cv.wait(g) {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
         }
     }
 }
@@ -243,7 +217,7 @@ enum Step {
         unit: Arc<FileUnit>,
         index: usize,
         buffer: usize,
-        read: Arc<ReadDone>,
+        read: Arc<ChunkRead>,
     },
     /// A job without reads (a host address, or a file unit without bytes), run when it is oldest.
     Whole(Job),
@@ -255,7 +229,12 @@ enum Step {
 struct Pipeline {
     target: Target,
     events: Option<Arc<SlotEvents>>,
+    /// File reads, started with the first file chunk; dropped (joined) before the ring.
+    reads: Option<ReadPool>,
+    reader_threads: usize,
+    wake: Arc<Wake>,
     ring: Ring,
+    /// Host copies into the ring (staged host jobs).
     pool: rayon::ThreadPool,
     steps: std::collections::VecDeque<Step>,
     /// A file job some of whose chunks are not started yet: the job, its unit, the next chunk.
@@ -372,16 +351,21 @@ impl Pipeline {
                 ev.synchronize()?;
             }
             self.free.pop_front();
-            let read = Arc::new(ReadDone::default());
-            let (task_unit, task_read, ptr) = (Arc::clone(&unit), Arc::clone(&read), buf.ptr());
-            self.pool.spawn(move || {
-                let (file, chunk) = &task_unit.chunks[index];
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    file.read_chunk(chunk.offset, chunk.len as usize, chunk.needed as usize, ptr)
-                }))
-                .unwrap_or_else(|_| Err(CudaError::Staging("a reader thread panicked".into())));
-                task_read.set(r);
+            if self.reads.is_none() {
+                self.reads = Some(ReadPool::new(self.reader_threads)?);
+            }
+            let (file, chunk) = &unit.chunks[index];
+            let read = self.reads.as_ref().map(|r| {
+                r.read_chunk(
+                    file,
+                    chunk.offset,
+                    chunk.len as usize,
+                    chunk.needed as usize,
+                    self.ring.buffers[buffer].ptr(),
+                    &self.wake,
+                )
             });
+            let read = read.expect("the reader pool was just started");
             self.steps.push_back(Step::Chunk {
                 slot: job.slot,
                 dst: job.dst,
@@ -396,8 +380,17 @@ impl Pipeline {
         }
     }
 
-    /// Finishes the oldest step: waits for its reads and queues its uploads. Returns whether a
-    /// job is now complete (its last upload and its "arrived" event are queued).
+    /// Whether the oldest step can finish without waiting for reads.
+    fn oldest_ready(&self) -> bool {
+        match self.steps.front() {
+            Some(Step::Chunk { read, .. }) => read.is_done(),
+            _ => true,
+        }
+    }
+
+    /// Finishes the oldest step (its reads are done: [`oldest_ready`](Self::oldest_ready)) and
+    /// queues its uploads. Returns whether a job is now complete (its last upload and its
+    /// "arrived" event are queued).
     fn finish_oldest(&mut self) -> Result<bool> {
         let Some(step) = self.steps.pop_front() else {
             return Ok(false);
@@ -415,9 +408,9 @@ impl Pipeline {
                 buffer,
                 read,
             } => {
-                let r = read.wait();
+                read.wait();
                 self.free.push_back(buffer);
-                r?;
+                read.result()?;
                 if index == 0 {
                     self.wait_consumed(slot)?;
                 }
@@ -466,7 +459,7 @@ impl Pipeline {
     fn abandon(&mut self) {
         for step in self.steps.drain(..) {
             if let Step::Chunk { read, .. } = step {
-                let _ = read.wait();
+                read.wait();
             }
         }
         self.cursor = None;
@@ -493,6 +486,7 @@ fn worker(
     pool: rayon::ThreadPool,
     rx: mpsc::Receiver<Job>,
     shared: Arc<Shared>,
+    wake: Arc<Wake>,
 ) {
     let setup = match target {
         Target::Cuda { ordinal, .. } => make_current(ordinal),
@@ -500,9 +494,13 @@ fn worker(
     };
     let mut failed = setup.err();
     let free = (0..ring.buffers.len()).collect();
+    let reader_threads = pool.current_num_threads();
     let mut p = Pipeline {
         target,
         events,
+        reads: None,
+        reader_threads,
+        wake: Arc::clone(&wake),
         ring,
         pool,
         steps: Default::default(),
@@ -511,10 +509,18 @@ fn worker(
     };
     let (mut received, mut done, mut open) = (0u64, 0u64, true);
     while failed.is_none() && (open || !p.idle()) {
+        let seen = wake.seq();
         // A panic must not kill the worker silently: waiters would block forever.
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<bool> {
             p.start_reads(&rx, &mut open, &mut received)?;
-            p.finish_oldest()
+            if p.oldest_ready() {
+                p.finish_oldest()
+            } else {
+                // The oldest chunk is still being read: sleep until a read ends or a job comes
+                // (whose reads may start now), not just until this read ends.
+                wake.wait_past(seen);
+                Ok(false)
+            }
         }));
         match outcome {
             Ok(Ok(true)) => {
@@ -535,7 +541,8 @@ fn worker(
             publish(&shared, received, &failed);
         }
     }
-    // Uploads from the ring may still be in flight: finish them before the buffers are unmapped.
+    drop(p.reads.take()); // every queued read has ended (abandon waited): join the readers
+                          // Uploads from the ring may still be in flight: finish them before the buffers are unmapped.
     for ev in &p.ring.uploaded {
         if let Err(e) = ev.synchronize() {
             tracing::warn!("waiting for staging uploads at shutdown: {e}");
