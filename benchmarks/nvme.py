@@ -10,7 +10,8 @@ Rows: ``ours`` for every (vram_budget, ram_budget) pair of ``--vram-budgets`` x 
 model loaded by diffusers' own ``from_pretrained``) unless ``--no-diffusers``. Each row reports the
 step (median of ``--repeats`` after a warm-up), the roofline ``max(compute, disk bytes / disk
 bandwidth, streamed bytes / link bandwidth)`` from our report (compute: the calibrated measurement),
-peak host RSS above the process's RSS before loading, and exactness against the reference forward.
+peak host RSS above the process's RSS before loading, the fraction of the timed calls the disk was busy
+(`/proc/diskstats` of the model's block device), and exactness against the reference forward.
 The model is saved once by :mod:`benchmarks.loading`'s save phase (``--dir``; reused when present).
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from benchmarks.loading import _child as _loading_child
 from benchmarks.loading import _drop_cache, _peak_rss_sampler
+from benchmarks.readpipe import block_device, busy, disk_ticks
 
 GiB = 1024**3
 
@@ -71,7 +73,10 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
     setup_s = time.perf_counter() - t0
     saved = torch.load(Path(args.dir) / "reference.pt")
     x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
+    dev = block_device(Path(args.dir))
+    k0 = disk_ticks(dev)
     times, out = _timed(handle.module, x, args.device, args.repeats)
+    disk = busy(k0, disk_ticks(dev), sum(times))  # over every timed call, the first included
     stop.set()
     rep = handle.report().to_dict()
     steady = sorted(times[1:])
@@ -90,6 +95,8 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_above_before": max(peak[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - rss0,
         "gpu_peak_allocated": rep["memory"].get("gpu_peak_allocated"),
         "exact": bool(torch.equal(out.cpu(), saved["ref"])),
+        "block_device": dev,
+        **disk,
         "report": {k: rep.get(k) for k in ("plan", "setup", "runtime", "roofline", "memory")},
     }
     handle.remove()
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             r["bench_ratio"] = r["step_s"] / r["bench_bound_s"] if r.get("bench_bound_s") and r.get("step_s") else None
             rows.append({"route": "ddo_blocks nvme_baseline", "vram_budget": vram, "ram_budget": ram, **r})
             print(f"ours vram {vram} ram {ram}: step {_fmt(r.get('step_s'))} s, ratio {_fmt(r.get('ratio'), 2)} "
-                  f"(bench disk {_fmt(r.get('bench_ratio'), 2)}), "
+                  f"(bench disk {_fmt(r.get('bench_ratio'), 2)}), disk busy {_fmt(r.get('disk_busy'), 2)}, "
                   f"RSS +{_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} GiB, exact {r.get('exact')}"
                   + (f" ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
     if not args.no_diffusers:
@@ -238,15 +245,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{disk.get('file')}): {_fmt(disk.get('gb_s_1'), 2)} GB/s with 1 reader, {_fmt(disk.get('gb_s_8'), 2)} GB/s "
         "with 8. `bound s` uses the route's own 256 MiB probe (`disk GB/s`); `bench bound s` this measurement.", "",
         "| route | VRAM budget | RAM budget | step s | bound s | step / bound | bench bound s | step / bench bound "
-        "| disk GB/s | RSS above start GiB | peak GPU GiB | setup s | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| disk GB/s | disk busy | RSS above start GiB | peak GPU GiB | setup s | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gpu = r.get("gpu_peak_allocated")
         lines.append(
             f"| {r['route']} | {r['vram_budget']} | {r['ram_budget']} | {_fmt(r.get('step_s'))} | {_fmt(r.get('bound_s'))} "
             f"| {_fmt(r.get('ratio'), 2)} | {_fmt(r.get('bench_bound_s'))} | {_fmt(r.get('bench_ratio'), 2)} "
-            f"| {_fmt(r.get('disk_gb_s'), 2)} "
+            f"| {_fmt(r.get('disk_gb_s'), 2)} | {_fmt(r.get('disk_busy'), 2)} "
             f"| {_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} | {_fmt(gpu / GiB if gpu else None, 2)} "
             f"| {_fmt(r.get('setup_s'), 1)} | {r.get('exact', r.get('error', '-')[:60])} |"
         )

@@ -176,3 +176,14 @@ def test_profile_analysis_splits_idle_time():
     assert row["compute_busy_s"] == 20e-6 and row["link_busy_s"] == 20e-6
     assert abs(row["compute_idle_link_busy_s"] - 10e-6) < 1e-12
     assert abs(row["idle_both_s"] - 10e-6) < 1e-12
+
+
+def test_read_pipeline_benchmark_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "readpipe"
+    subprocess.run([sys.executable, "-m", "benchmarks.readpipe", "--dir", str(tmp_path / "scratch"), "--file-gib",
+                    "0.05", "--unit-mib", "4", "--repeats", "1", "--out", str(out)], check=True, capture_output=True,
+                   text=True)
+    doc = json.loads((out / "readpipe.json").read_text())
+    (row,) = doc["rows"]
+    assert row["units"] == 11  # 51.2 MiB cut into 4 MiB units, the last one left out
+    assert row["pipeline_gb_s"] > 0 and row["probe_gb_s"] > 0
