@@ -189,15 +189,20 @@ class LinearEngine:
             pending = [p for p in params if self.loader.pending(p)]
             for p, data in zip(pending, self.loader.materialize_many(pending, dev)):
                 p.data = data
-        if dev.type == "cuda":
-            # pageable tensor-by-tensor .to() runs at ~8 GB/s: stage them through pinned buffers
+        if dev.type == "cuda" and self.preset.host is HostMode.PINNED_SLABS:
+            # pageable tensor-by-tensor .to() runs at ~8 GB/s: stage through two pinned buffers,
+            # pointing each parameter at its GPU copy (freeing the host one) batch by batch. Presets
+            # that avoid page-locked memory keep .to(), which frees each host tensor as it goes.
             unique = list({id(p): p for p in params}.values())
             staged = [p for p in unique if p.device.type == "cpu" and p.data.is_contiguous()
                       and 0 < tensor_nbytes(p) <= STAGING_BYTES]
-            outs = [torch.empty_like(p.data, device=dev) for p in staged]
-            staged_upload([(p.data, out) for p, out in zip(staged, outs)], dev, tensor_nbytes, copy_from_host)
-            for p, out in zip(staged, outs):
-                p.data = out
+
+            def point(batch: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+                for p, out in batch:
+                    p.data = out
+
+            pairs = [(p, torch.empty_like(p.data, device=dev)) for p in staged]
+            staged_upload(pairs, dev, tensor_nbytes, copy_from_host, queued=point)
         for p in params:
             if p.device != dev:
                 p.data = p.data.to(dev)

@@ -24,17 +24,21 @@ def staged_upload(
     device: torch.device,
     nbytes: Callable[[Any], int],
     fill: Callable[[list[tuple[Any, torch.Tensor]]], None],
+    queued: Callable[[list[tuple[Any, torch.Tensor]]], None] | None = None,
 ) -> None:
     """Copies each ``(source, out)`` pair's source into ``out``, a tensor on CUDA ``device``.
 
     ``fill`` receives ``(source, view)`` pairs, each view a page-locked tensor shaped like its
-    ``out``, and must write the source's bytes into it. Every source must fit ``STAGING_BYTES``.
-    Returns once every upload finished (the buffers are then unpinned)."""
+    ``out``, and must write the source's bytes into it before returning. ``queued``, if given,
+    receives each batch's ``(source, out)`` pairs once their uploads are queued on the current
+    stream: the sources are no longer read, so the caller may free them (host memory then stays
+    flat instead of growing by the staging buffers). Every source must fit ``STAGING_BYTES``. The
+    second buffer is page-locked only when the first one is full. Returns once every upload
+    finished (the buffers are then unpinned)."""
     if not pairs:
         return
     stream = torch.cuda.current_stream(device)
-    pinned = [PinnedBuffer(STAGING_BYTES, device.index or 0) for _ in range(2)]
-    buffers = [b.tensor for b in pinned]
+    pinned: list[PinnedBuffer] = []
     done = [torch.cuda.Event(), torch.cuda.Event()]
     turn, used = 0, 0
     pending: list[tuple[Any, torch.Tensor, int]] = []
@@ -43,14 +47,19 @@ def staged_upload(
         nonlocal turn, used, pending
         if not pending:
             return
-        buf = buffers[turn]
+        if len(pinned) <= turn:
+            pinned.append(PinnedBuffer(STAGING_BYTES, device.index or 0))
+        buf = pinned[turn].tensor
         views = [(src, buf[off : off + nbytes(src)].view(out.dtype).view(out.shape), out) for src, out, off in pending]
         fill([(src, v) for src, v, _ in views])
         for _, v, out in views:
             out.copy_(v, non_blocking=True)
         done[turn].record(stream)
+        if queued is not None:
+            queued([(src, out) for src, _, out in views])
         turn, used, pending = 1 - turn, 0, []
-        done[turn].synchronize()  # the other buffer's uploads finished: it can be refilled
+        if len(pinned) > turn:
+            done[turn].synchronize()  # the other buffer's uploads finished: it can be refilled
 
     try:
         for src, out in pairs:
