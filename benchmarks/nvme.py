@@ -156,11 +156,13 @@ def row_disk(args: argparse.Namespace) -> dict[str, Any]:
 def bench_bound(row: dict[str, Any], disk_bytes_per_s: float | None) -> float | None:
     """``max(compute, disk bytes / disk bandwidth, streamed / link)`` with the disk bandwidth measured by
     the benchmark (large ``O_DIRECT`` reads) rather than the route's own 256 MiB probe."""
-    roof = (row.get("report") or {}).get("roofline") or {}
-    plan = (row.get("report") or {}).get("plan") or {}
+    report = row.get("report") or {}
+    roof, plan, runtime = (report.get(k) or {} for k in ("roofline", "plan", "runtime"))
     if roof.get("compute_s") is None or not disk_bytes_per_s:
         return None
-    return max(roof["compute_s"], roof.get("transfer_bound_s") or 0.0, (plan.get("disk_bytes") or 0) / disk_bytes_per_s)
+    # the bytes the last call actually read (alignment and coalescing gaps included), else the plan's
+    disk = runtime.get("disk_call_bytes") or plan.get("disk_bytes") or 0
+    return max(roof["compute_s"], roof.get("transfer_bound_s") or 0.0, disk / disk_bytes_per_s)
 
 
 ROWS = {"ours": row_ours, "diffusers": row_diffusers, "disk": row_disk}

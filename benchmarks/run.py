@@ -249,16 +249,19 @@ def parse_budget(tok: str, weight_bytes: int, minimum: int | None) -> tuple[str,
 def expand_routes(text: str) -> list[str]:
     out: list[str] = []
     for tok in [t.strip() for t in text.split(",") if t.strip()]:
-        for s in GROUPS.get(tok, [tok]):
-            if s not in out:
-                out.append(s)
+        name, at, own = tok.partition("@")  # ROUTE@B1/B2: this route at its own budgets
+        for s in GROUPS.get(name, [name]):
+            if s + at + own not in out:
+                out.append(s + at + own)
     known = {s for v in GROUPS.values() for s in v}
-    for s in out:
-        s = s.partition("@")[0]  # ROUTE@B1/B2: this route at its own budgets
+    for sel in out:
+        s, at, _ = sel.partition("@")
         if s not in known and not s.startswith("ours:"):
             raise SystemExit(
                 f"unknown route {s!r}; use {', '.join(sorted(set(GROUPS) | known))} or ours:PRESET"
             )
+        if at and not (s.startswith("ours") or s.startswith("ddo")):
+            raise SystemExit(f"{sel!r}: only ours and ddo routes take budgets (ROUTE@B1/B2)")
     order = {s: i for i, s in enumerate(SELECTORS_ALL)}
     return sorted(out, key=lambda s: (order.get(s.partition("@")[0], len(order)), out.index(s)))
 
@@ -326,7 +329,10 @@ def make_specs(
         s["id"] = _safe(
             "-".join(str(x) for x in (s["route"], s["preset"] or s["offload_type"], s["budget"]) if x)
         )
-    return specs
+    unique: dict[str, dict[str, Any]] = {}
+    for s in specs:  # the same route and budget asked twice (ours:X and ours:X@B) runs once
+        unique.setdefault(s["id"], s)
+    return list(unique.values())
 
 
 # -------------------------------------------------------------------------------------------------

@@ -192,10 +192,11 @@ class LinearEngine:
         if dev.type == "cuda" and self.preset.host is HostMode.PINNED_SLABS:
             # pageable tensor-by-tensor .to() runs at ~8 GB/s: stage through two pinned buffers,
             # pointing each parameter at its GPU copy (freeing the host one) batch by batch. Presets
-            # that avoid page-locked memory keep .to(), which frees each host tensor as it goes.
+            # that avoid page-locked memory keep .to(), which frees each host tensor as it goes; so
+            # do tensor subclasses without one plain storage (quantized wrappers).
             unique = list({id(p): p for p in params}.values())
-            staged = [p for p in unique if p.device.type == "cpu" and p.data.is_contiguous()
-                      and 0 < tensor_nbytes(p) <= STAGING_BYTES]
+            staged = [p for p in unique if type(p.data) is torch.Tensor and p.device.type == "cpu"
+                      and p.data.is_contiguous() and 0 < tensor_nbytes(p) <= STAGING_BYTES]
 
             def point(batch: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
                 for p, out in batch:

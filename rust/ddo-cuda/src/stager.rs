@@ -415,14 +415,18 @@ impl Pipeline {
                     self.wait_consumed(slot)?;
                 }
                 let src = self.ring.buffers[buffer].ptr();
-                for c in &unit.chunks[index].1.copies {
+                let queued = unit.chunks[index].1.copies.iter().try_for_each(|c| {
                     self.put(
                         dst + c.dst as usize,
                         src + c.buf_off as usize,
                         c.len as usize,
-                    )?;
-                }
-                self.record_uploaded(buffer)?;
+                    )
+                });
+                // Recorded even after a failed copy: the copies queued before it still read the
+                // buffer, and shutdown waits on this event before the ring is unmapped.
+                let recorded = self.record_uploaded(buffer);
+                queued?;
+                recorded?;
                 let last = index + 1 == unit.chunks.len();
                 if last {
                     self.record_arrived(slot)?;
@@ -444,8 +448,9 @@ impl Pipeline {
                     let buf = &self.ring.buffers[b];
                     let len = buf.len().min(job.n - off);
                     self.pool.install(|| copy_host(buf.ptr(), src + off, len));
-                    self.put(job.dst + off, buf.ptr(), len)?;
+                    let queued = self.put(job.dst + off, buf.ptr(), len);
                     self.record_uploaded(b)?;
+                    queued?;
                     off += len;
                 }
             }
@@ -508,11 +513,23 @@ fn worker(
         free,
     };
     let (mut received, mut done, mut open) = (0u64, 0u64, true);
+    // An error met while starting a later job's reads belongs to that job: the older steps
+    // already queued finish first, so their waiters do not see it.
+    let mut deferred: Option<CudaError> = None;
     while failed.is_none() && (open || !p.idle()) {
         let seen = wake.seq();
         // A panic must not kill the worker silently: waiters would block forever.
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<bool> {
-            p.start_reads(&rx, &mut open, &mut received)?;
+            if deferred.is_none() {
+                if let Err(e) = p.start_reads(&rx, &mut open, &mut received) {
+                    deferred = Some(e);
+                }
+            }
+            if p.steps.is_empty() {
+                if let Some(e) = deferred.take() {
+                    return Err(e);
+                }
+            }
             if p.oldest_ready() {
                 p.finish_oldest()
             } else {
