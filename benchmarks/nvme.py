@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import sys
@@ -71,6 +72,7 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
                                         vram_budget=args.vram, ram_budget=args.ram, device=args.device,
                                         component="transformer", progress=False)
     setup_s = time.perf_counter() - t0
+    _join_cgroup(args.cgroup)
     saved = torch.load(Path(args.dir) / "reference.pt")
     x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
     dev = block_device(Path(args.dir))
@@ -120,6 +122,7 @@ def row_diffusers(args: argparse.Namespace) -> dict[str, Any]:
                                offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
                                offload_to_disk_path=disk)
     setup_s = time.perf_counter() - t0
+    _join_cgroup(args.cgroup)
     saved = torch.load(Path(args.dir) / "reference.pt")
     x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
     if args.device.startswith("cuda"):
@@ -168,6 +171,30 @@ def bench_bound(row: dict[str, Any], disk_bytes_per_s: float | None) -> float | 
 ROWS = {"ours": row_ours, "diffusers": row_diffusers, "disk": row_disk}
 
 
+def make_cgroup(limit_bytes: int) -> Path:
+    """A memory cgroup (v2, or v1's memory hierarchy) limited to ``limit_bytes``. Rows join it after
+    their setup, so what it bounds is what the timed calls add: chiefly the page cache that would
+    otherwise keep the model's files (or diffusers' offload files) in RAM on a large machine."""
+    root = Path("/sys/fs/cgroup")
+    v2 = (root / "cgroup.controllers").is_file()
+    group = (root if v2 else root / "memory") / f"ddo-bench-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit_bytes))
+    except OSError as exc:
+        raise SystemExit(f"--page-cache-limit needs a writable memory cgroup ({group}): {exc}; run as root "
+                         "on a machine with cgroup v2's memory controller or cgroup v1's memory hierarchy, "
+                         "or leave the option out") from exc
+    return group
+
+
+def _join_cgroup(group: str | None) -> None:
+    if group:
+        Path(group, "cgroup.procs").write_text(str(os.getpid()))
+        if Path(group).name not in Path("/proc/self/cgroup").read_text():
+            raise RuntimeError(f"this process did not join {group}")
+
+
 def _run_row(kind: str, argv: list[str], extra: list[str]) -> dict[str, Any]:
     import subprocess
 
@@ -192,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-diffusers", action="store_true")
     p.add_argument("--disk-probe-gib", type=float, default=4.0, help="bytes read to measure the disk")
+    p.add_argument("--page-cache-limit", type=float, default=None, metavar="GIB",
+                   help="run each row's timed calls in a memory cgroup of this size (root), so that no route "
+                   "is served from the page cache of a machine with more RAM than the model")
+    p.add_argument("--cgroup", help=argparse.SUPPRESS)
     p.add_argument("--tokens-side", type=int, default=None)
     p.add_argument("--text-tokens", type=int, default=None)
     p.add_argument("--out", default=None)
@@ -214,6 +245,20 @@ def main(argv: list[str] | None = None) -> int:
         _loading_child("save", save_argv)
     total = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     base = ["--device", args.device, "--dir", args.dir, "--repeats", str(args.repeats)]
+    group = make_cgroup(int(args.page_cache_limit * GiB)) if args.page_cache_limit else None
+    if group is not None:
+        base += ["--cgroup", str(group)]
+    try:
+        return _rows_and_report(args, argv, directory, total, base)
+    finally:
+        if group is not None:
+            try:
+                group.rmdir()
+            except OSError as exc:
+                print(f"note: could not remove {group}: {exc}", file=sys.stderr)
+
+
+def _rows_and_report(args: argparse.Namespace, argv: list[str], directory: Path, total: int, base: list[str]) -> int:
     disk = _run_row("disk", base, ["--disk-probe-gib", str(args.disk_probe_gib)])
     disk_bps = disk["gb_s_8"] * 1e9 if "gb_s_8" in disk else None
     print(f"disk: {json.dumps(disk)}", flush=True)
@@ -237,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
               f"GiB" + (f" ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
     doc = {"schema": "ddo_blocks.bench.nvme/1", "date": date.today().isoformat(), "machine": platform.node(),
            "command": "python -m benchmarks.nvme " + " ".join(argv), "weights_bytes": total, "disk": disk,
+           "page_cache_limit_gib": args.page_cache_limit,
            "rows": rows}
     out = Path(args.out) if args.out else Path(args.out_root) / f"{date.today().isoformat()}-{platform.node()}-nvme"
     out.mkdir(parents=True, exist_ok=True)
@@ -246,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Disk, page cache bypassed (O_DIRECT {disk.get('direct')}, {(disk.get('bytes') or 0) / GiB:.1f} GiB of "
         f"{disk.get('file')}): {_fmt(disk.get('gb_s_1'), 2)} GB/s with 1 reader, {_fmt(disk.get('gb_s_8'), 2)} GB/s "
         "with 8. `bound s` uses the route's own 256 MiB probe (`disk GB/s`); `bench bound s` this measurement.", "",
+        *([f"Timed calls ran in a memory cgroup of {args.page_cache_limit:g} GiB (joined after setup): page cache "
+           "beyond it is reclaimed, so no route is served from RAM it was not given.", ""]
+          if args.page_cache_limit else []),
         "| route | VRAM budget | RAM budget | step s | bound s | step / bound | bench bound s | step / bench bound "
         "| disk GB/s | disk busy | RSS above start GiB | peak GPU GiB | setup s | exact |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
