@@ -30,9 +30,9 @@ from typing import Any
 CHUNK = 64 << 20
 
 
-def _drop_cache(directory: Path) -> None:
+def _drop_cache(directory: Path, pattern: str = "*.safetensors") -> None:
     os.sync()
-    for f in sorted(directory.glob("*.safetensors")):
+    for f in sorted(directory.glob(pattern)):
         fd = os.open(f, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -24,6 +24,8 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from benchmarks.loading import _drop_cache
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -59,15 +61,6 @@ def busy(t0: tuple[int, int] | None, t1: tuple[int, int] | None, seconds: float)
     return {"disk_busy": (t1[0] - t0[0]) / 1e3 / seconds, "queue_depth": (t1[1] - t0[1]) / 1e3 / seconds}
 
 
-def drop_cache(path: Path) -> None:
-    os.sync()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def scratch_file(directory: Path, nbytes: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "readpipe.bin"
@@ -86,7 +79,7 @@ def one_pass(path: Path, unit: int, slots: int, readers: int, device: str | None
     from ddo_blocks import _native
 
     size = path.stat().st_size
-    drop_cache(path)
+    _drop_cache(path.parent, path.name)
     bps, nbytes, direct = _native.measure_disk_read(str(path), min(size, 2 * GiB), readers)
     t = _native.Transport("cpu", 0, slots, 0, (4, 64 * MiB, readers, True), stage_host=False)
     try:
@@ -95,7 +88,7 @@ def one_pass(path: Path, unit: int, slots: int, readers: int, device: str | None
         units = [t.add_file_unit([(fid, 144 + k * unit, unit - 4096, 0)], 65536) for k in range(size // unit - 1)]
         dst = torch.empty(slots * unit, dtype=torch.uint8)
         ptr = [dst.data_ptr() + i * unit for i in range(slots)]
-        drop_cache(path)
+        _drop_cache(path.parent, path.name)
         k0 = disk_ticks(device)
         t0 = time.perf_counter()
         for i in range(min(slots, len(units))):

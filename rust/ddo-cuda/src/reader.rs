@@ -220,10 +220,11 @@ pub fn measure_read_bandwidth(path: &Path, max_bytes: u64, threads: usize) -> Re
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn temp_file(name: &str, len: usize) -> (PathBuf, Vec<u8>) {
+    /// A scratch file of `len` patterned bytes in its own folder (the caller removes the folder).
+    pub(crate) fn temp_file(name: &str, len: usize) -> (PathBuf, Vec<u8>) {
         // where /tmp is tmpfs (no O_DIRECT) the direct test exercises the fallback instead
         let dir = std::env::temp_dir().join(format!("ddo-reader-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

@@ -222,21 +222,13 @@ fn reader(shared: &Shared) {
 mod tests {
     use super::*;
     use crate::host::HostBuffer;
+    use crate::reader::tests::temp_file;
     use crate::reader::ALIGN;
-
-    fn temp_file(name: &str, len: usize) -> (std::path::PathBuf, Vec<u8>) {
-        let dir = std::env::temp_dir().join(format!("ddo-readpool-{}-{name}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("w.bin");
-        let data: Vec<u8> = (0..len).map(|i| (i * 11 % 253) as u8).collect();
-        std::fs::write(&path, &data).unwrap();
-        (path, data)
-    }
 
     #[test]
     fn many_chunks_in_flight_read_exactly() {
         let len = 5 * PIECE + 12_345;
-        let (path, data) = temp_file("exact", len);
+        let (path, data) = temp_file("pool-exact", len);
         let file = Arc::new(ReadFile::open(&path, true).unwrap());
         let wake = Arc::new(Wake::default());
         let pool = ReadPool::new(3).unwrap();
@@ -271,7 +263,7 @@ mod tests {
 
     #[test]
     fn a_read_past_the_end_is_an_error_naming_the_file_and_wakes_the_waiter() {
-        let (path, _) = temp_file("short", PIECE + 100);
+        let (path, _) = temp_file("pool-short", PIECE + 100);
         let file = Arc::new(ReadFile::open(&path, true).unwrap());
         let wake = Arc::new(Wake::default());
         let pool = ReadPool::new(2).unwrap();
@@ -287,7 +279,7 @@ mod tests {
 
     #[test]
     fn dropping_the_pool_finishes_queued_reads_first() {
-        let (path, _) = temp_file("drop", 8 * PIECE);
+        let (path, _) = temp_file("pool-drop", 8 * PIECE);
         let file = Arc::new(ReadFile::open(&path, true).unwrap());
         let wake = Arc::new(Wake::default());
         let pool = ReadPool::new(1).unwrap();

@@ -231,7 +231,6 @@ struct Pipeline {
     events: Option<Arc<SlotEvents>>,
     /// File reads, started with the first file chunk; dropped (joined) before the ring.
     reads: Option<ReadPool>,
-    reader_threads: usize,
     wake: Arc<Wake>,
     ring: Ring,
     /// Host copies into the ring (staged host jobs).
@@ -352,7 +351,8 @@ impl Pipeline {
             }
             self.free.pop_front();
             if self.reads.is_none() {
-                self.reads = Some(ReadPool::new(self.reader_threads)?);
+                // as many readers as the ring's copy threads (the preset's staging threads)
+                self.reads = Some(ReadPool::new(self.pool.current_num_threads())?);
             }
             let (file, chunk) = &unit.chunks[index];
             let read = self.reads.as_ref().map(|r| {
@@ -499,12 +499,10 @@ fn worker(
     };
     let mut failed = setup.err();
     let free = (0..ring.buffers.len()).collect();
-    let reader_threads = pool.current_num_threads();
     let mut p = Pipeline {
         target,
         events,
         reads: None,
-        reader_threads,
         wake: Arc::clone(&wake),
         ring,
         pool,
