@@ -72,7 +72,7 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
                                         vram_budget=args.vram, ram_budget=args.ram, device=args.device,
                                         component="transformer", progress=False)
     setup_s = time.perf_counter() - t0
-    _join_cgroup(args.cgroup)
+    _join_cgroup(args.cgroup, Path(args.dir))
     saved = torch.load(Path(args.dir) / "reference.pt")
     x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
     dev = block_device(Path(args.dir))
@@ -101,7 +101,10 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
         **disk,
         "report": {k: rep.get(k) for k in ("plan", "setup", "runtime", "roofline", "memory")},
     }
-    handle.remove()
+    if not args.cgroup:
+        # remove() reads the disk units back into ordinary memory (its contract): the whole model, which
+        # a cgroup sized to bound the page cache cannot hold, so inside one the process just exits.
+        handle.remove()
     return result
 
 
@@ -122,7 +125,8 @@ def row_diffusers(args: argparse.Namespace) -> dict[str, Any]:
                                offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
                                offload_to_disk_path=disk)
     setup_s = time.perf_counter() - t0
-    _join_cgroup(args.cgroup)
+    # the offload files were written during setup: drop them too, or they are served from the page cache
+    _join_cgroup(args.cgroup, Path(args.dir), Path(disk))
     saved = torch.load(Path(args.dir) / "reference.pt")
     x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
     if args.device.startswith("cuda"):
@@ -171,13 +175,15 @@ def bench_bound(row: dict[str, Any], disk_bytes_per_s: float | None) -> float | 
 ROWS = {"ours": row_ours, "diffusers": row_diffusers, "disk": row_disk}
 
 
-def make_cgroup(limit_bytes: int) -> Path:
-    """A memory cgroup (v2, or v1's memory hierarchy) limited to ``limit_bytes``. Rows join it after
-    their setup, so what it bounds is what the timed calls add: chiefly the page cache that would
-    otherwise keep the model's files (or diffusers' offload files) in RAM on a large machine."""
+def make_cgroup(limit_bytes: int, name: str = "") -> Path:
+    """A memory cgroup (v2, or v1's memory hierarchy) limited to ``limit_bytes``, one per row. A row
+    joins it after its setup, so what it bounds is what the timed calls add: chiefly the page cache
+    that would otherwise keep the model's files (or diffusers' offload files) in RAM on a large
+    machine. Memory charged before joining stays charged where it was (the kernel does not move
+    charges), which is why the row drops its files from the page cache right after joining."""
     root = Path("/sys/fs/cgroup")
     v2 = (root / "cgroup.controllers").is_file()
-    group = (root if v2 else root / "memory") / f"ddo-bench-{os.getpid()}"
+    group = (root if v2 else root / "memory") / f"ddo-bench-{os.getpid()}{name}"
     try:
         group.mkdir()
         (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit_bytes))
@@ -188,21 +194,73 @@ def make_cgroup(limit_bytes: int) -> Path:
     return group
 
 
-def _join_cgroup(group: str | None) -> None:
+def _join_cgroup(group: str | None, *directories: Path) -> None:
+    """Moves this process into ``group`` and drops the ``directories``' safetensors files from the page
+    cache, so that reads from now on are charged to (and bounded by) the group."""
     if group:
         Path(group, "cgroup.procs").write_text(str(os.getpid()))
         if Path(group).name not in Path("/proc/self/cgroup").read_text():
             raise RuntimeError(f"this process did not join {group}")
+        for directory in directories:
+            _drop_cache(directory)
 
 
-def _run_row(kind: str, argv: list[str], extra: list[str]) -> dict[str, Any]:
+def cgroup_stats(group: Path) -> dict[str, int]:
+    """What a row's cgroup saw: peak usage, times the limit was hit, OOM kills (v2 or v1 files)."""
+    def read(name: str) -> str | None:
+        try:
+            return (group / name).read_text()
+        except OSError:
+            return None
+
+    out: dict[str, int] = {}
+    events = read("memory.events")
+    if events is not None:  # v2
+        out.update({k: int(v) for k, v in (line.split() for line in events.splitlines()) if k in ("max", "oom_kill")})
+        peak = read("memory.peak")
+    else:  # v1
+        peak, failcnt = read("memory.max_usage_in_bytes"), read("memory.failcnt")
+        if failcnt is not None:
+            out["max"] = int(failcnt)
+        for line in (read("memory.oom_control") or "").splitlines():
+            if line.startswith("oom_kill "):
+                out["oom_kill"] = int(line.split()[1])
+    if peak is not None:
+        out["peak_bytes"] = int(peak)
+    return out
+
+
+def _run_row(kind: str, argv: list[str], extra: list[str], limit_bytes: int | None = None) -> dict[str, Any]:
+    """Runs one row in a child process; in a fresh memory cgroup of ``limit_bytes`` when given, whose
+    peak and OOM kills join the row."""
+    import signal
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.nvme", "--row", kind, *argv, *extra],
-                          capture_output=True, text=True, check=False)
+    group = make_cgroup(limit_bytes, f"-{kind}-{time.monotonic_ns()}") if limit_bytes else None
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "benchmarks.nvme", "--row", kind, *argv, *extra]
+    try:
+        proc = subprocess.run(cmd + (["--cgroup", str(group)] if group else []), capture_output=True, text=True,
+                              check=False)
+    finally:
+        stats = cgroup_stats(group) if group is not None else None
+        if group is not None:
+            _remove_cgroup(group)
     if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout)[-2000:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        how = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+               else f"exit status {proc.returncode}")
+        row: dict[str, Any] = {"error": f"{how}: " + (proc.stderr or proc.stdout)[-2000:]}
+    else:
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+    if stats is not None:
+        row["cgroup"] = stats
+    return row
+
+
+def _remove_cgroup(group: Path) -> None:
+    try:
+        group.rmdir()
+    except OSError as exc:
+        print(f"note: could not remove {group}: {exc}", file=sys.stderr)
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -245,20 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         _loading_child("save", save_argv)
     total = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     base = ["--device", args.device, "--dir", args.dir, "--repeats", str(args.repeats)]
-    group = make_cgroup(int(args.page_cache_limit * GiB)) if args.page_cache_limit else None
-    if group is not None:
-        base += ["--cgroup", str(group)]
-    try:
-        return _rows_and_report(args, argv, directory, total, base)
-    finally:
-        if group is not None:
-            try:
-                group.rmdir()
-            except OSError as exc:
-                print(f"note: could not remove {group}: {exc}", file=sys.stderr)
+    if args.page_cache_limit:  # fail before any row where no memory cgroup can be made
+        _remove_cgroup(make_cgroup(int(args.page_cache_limit * GiB), "-check"))
+    return _rows_and_report(args, argv, directory, total, base)
 
 
 def _rows_and_report(args: argparse.Namespace, argv: list[str], directory: Path, total: int, base: list[str]) -> int:
+    limit = int(args.page_cache_limit * GiB) if args.page_cache_limit else None
     disk = _run_row("disk", base, ["--disk-probe-gib", str(args.disk_probe_gib)])
     disk_bps = disk["gb_s_8"] * 1e9 if "gb_s_8" in disk else None
     print(f"disk: {json.dumps(disk)}", flush=True)
@@ -266,20 +317,22 @@ def _rows_and_report(args: argparse.Namespace, argv: list[str], directory: Path,
     for vram in args.vram_budgets.split(","):
         for ram in args.ram_budgets.split(","):
             _drop_cache(directory)
-            r = _run_row("ours", base, ["--vram", str(_budget(vram, total)), "--ram", str(_budget(ram, total))])
+            r = _run_row("ours", base, ["--vram", str(_budget(vram, total)), "--ram", str(_budget(ram, total))], limit)
             r["bench_bound_s"] = bench_bound(r, disk_bps)
             r["bench_ratio"] = r["step_s"] / r["bench_bound_s"] if r.get("bench_bound_s") and r.get("step_s") else None
             rows.append({"route": "ddo_blocks nvme_baseline", "vram_budget": vram, "ram_budget": ram, **r})
             print(f"ours vram {vram} ram {ram}: step {_fmt(r.get('step_s'))} s, ratio {_fmt(r.get('ratio'), 2)} "
                   f"(bench disk {_fmt(r.get('bench_ratio'), 2)}), disk busy {_fmt(r.get('disk_busy'), 2)}, "
                   f"RSS +{_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} GiB, exact {r.get('exact')}"
+                  + (f", cgroup {r['cgroup']}" if "cgroup" in r else "")
                   + (f" ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
     if not args.no_diffusers:
         _drop_cache(directory)
-        r = _run_row("diffusers", base, [])
+        r = _run_row("diffusers", base, [], limit)
         rows.append({"route": "diffusers group offload to disk (block_level)", "vram_budget": "-", "ram_budget": "-", **r})
         print(f"diffusers: step {_fmt(r.get('step_s'))} s, RSS +{_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} "
-              f"GiB" + (f" ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
+              f"GiB" + (f", cgroup {r['cgroup']}" if "cgroup" in r else "")
+              + (f" ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
     doc = {"schema": "ddo_blocks.bench.nvme/1", "date": date.today().isoformat(), "machine": platform.node(),
            "command": "python -m benchmarks.nvme " + " ".join(argv), "weights_bytes": total, "disk": disk,
            "page_cache_limit_gib": args.page_cache_limit,
@@ -292,8 +345,9 @@ def _rows_and_report(args: argparse.Namespace, argv: list[str], directory: Path,
         f"Disk, page cache bypassed (O_DIRECT {disk.get('direct')}, {(disk.get('bytes') or 0) / GiB:.1f} GiB of "
         f"{disk.get('file')}): {_fmt(disk.get('gb_s_1'), 2)} GB/s with 1 reader, {_fmt(disk.get('gb_s_8'), 2)} GB/s "
         "with 8. `bound s` uses the route's own 256 MiB probe (`disk GB/s`); `bench bound s` this measurement.", "",
-        *([f"Timed calls ran in a memory cgroup of {args.page_cache_limit:g} GiB (joined after setup): page cache "
-           "beyond it is reclaimed, so no route is served from RAM it was not given.", ""]
+        *([f"Timed calls ran in a memory cgroup of {args.page_cache_limit:g} GiB per row (joined after setup, the "
+           "files dropped from the page cache on joining): page cache beyond it is reclaimed, so no route is "
+           "served from RAM it was not given.", ""]
           if args.page_cache_limit else []),
         "| route | VRAM budget | RAM budget | step s | bound s | step / bound | bench bound s | step / bench bound "
         "| disk GB/s | disk busy | RSS above start GiB | peak GPU GiB | setup s | exact |",
@@ -308,6 +362,14 @@ def _rows_and_report(args: argparse.Namespace, argv: list[str], directory: Path,
             f"| {_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} | {_fmt(gpu / GiB if gpu else None, 2)} "
             f"| {_fmt(r.get('setup_s'), 1)} | {r.get('exact', r.get('error', '-')[:60])} |"
         )
+    if args.page_cache_limit:
+        lines += ["", "Each row's cgroup (timed calls only): peak usage, times the limit was reached, OOM kills.", "",
+                  "| route | VRAM budget | RAM budget | cgroup peak GiB | limit reached | OOM kills |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            cg = r.get("cgroup") or {}
+            peak = cg.get("peak_bytes")
+            lines.append(f"| {r['route']} | {r['vram_budget']} | {r['ram_budget']} | "
+                         f"{_fmt(peak / GiB if peak is not None else None, 2)} | {cg.get('max', '-')} | {cg.get('oom_kill', '-')} |")
     (out / "nvme.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"wrote {out}/nvme.json and nvme.md")
