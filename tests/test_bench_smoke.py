@@ -187,3 +187,20 @@ def test_read_pipeline_benchmark_runs_on_the_cpu(tmp_path):
     (row,) = doc["rows"]
     assert row["units"] == 11  # 51.2 MiB cut into 4 MiB units, the last one left out
     assert row["pipeline_gb_s"] > 0 and row["probe_gb_s"] > 0
+
+
+def test_nvme_cgroup_stats_read_v2_and_v1_files(tmp_path):
+    from benchmarks.nvme import cgroup_stats
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 515006\noom 1\noom_kill 1\n")
+    (v2 / "memory.peak").write_text("4294967296\n")
+    assert cgroup_stats(v2) == {"max": 515006, "oom_kill": 1, "peak_bytes": 4294967296}
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "memory.max_usage_in_bytes").write_text("373018624\n")
+    (v1 / "memory.failcnt").write_text("3\n")
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    assert cgroup_stats(v1) == {"max": 3, "oom_kill": 2, "peak_bytes": 373018624}
+    assert cgroup_stats(tmp_path / "missing") == {}
