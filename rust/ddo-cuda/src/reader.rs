@@ -188,10 +188,23 @@ pub struct DiskProbe {
     pub direct: bool,
 }
 
+/// Largest buffer a probe allocates: longer probes (a whole shard of several GiB) read through it
+/// window by window, so measuring a model larger than RAM does not need its size in memory.
+const PROBE_WINDOW: usize = 1 << 30;
+
 /// Reads up to `max_bytes` from the start of `path` with the reader of the NVMe route (`threads`
 /// readers, [`PIECE`]-sized pieces, `O_DIRECT` where possible) and returns the bandwidth. Buffered
 /// reads (no `O_DIRECT`) may be served by the page cache and then overstate the disk.
 pub fn measure_read_bandwidth(path: &Path, max_bytes: u64, threads: usize) -> Result<DiskProbe> {
+    measure_in_windows(path, max_bytes, threads, PROBE_WINDOW)
+}
+
+fn measure_in_windows(
+    path: &Path,
+    max_bytes: u64,
+    threads: usize,
+    window: usize,
+) -> Result<DiskProbe> {
     let file = ReadFile::open(path, true)?;
     let file_len = std::fs::metadata(path)
         .map_err(|e| read_err(path, "reading the size of", e))?
@@ -204,13 +217,20 @@ pub fn measure_read_bandwidth(path: &Path, max_bytes: u64, threads: usize) -> Re
         )));
     }
     let len = needed.div_ceil(ALIGN) * ALIGN;
-    let buf = HostBuffer::new(len, false)?;
+    let window = window.div_ceil(ALIGN) * ALIGN;
+    let buf = HostBuffer::new(len.min(window), false)?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .build()
         .map_err(|e| CudaError::Staging(format!("cannot start reader threads: {e}")))?;
     let t0 = Instant::now();
-    pool.install(|| file.read_chunk(0, len, needed, buf.ptr()))?;
+    let mut offset = 0;
+    while offset < len {
+        let n = window.min(len - offset);
+        let want = needed.saturating_sub(offset).min(n);
+        pool.install(|| file.read_chunk(offset as u64, n, want, buf.ptr()))?;
+        offset += n;
+    }
     let secs = t0.elapsed().as_secs_f64().max(1e-9);
     Ok(DiskProbe {
         bytes_per_s: needed as f64 / secs,
@@ -272,6 +292,17 @@ pub(crate) mod tests {
         let p = measure_read_bandwidth(&path, 64 << 20, 2).unwrap();
         assert_eq!(p.bytes, 1 << 20);
         assert!(p.bytes_per_s > 0.0);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn probe_reads_a_long_range_through_a_smaller_window() {
+        // 1 MiB + 123 bytes through a 256 KiB window: five windows, the last one partial and past EOF
+        let (path, _) = temp_file("probe-window", (1 << 20) + 123);
+        let p = measure_in_windows(&path, u64::MAX, 3, 256 << 10).unwrap();
+        assert_eq!(p.bytes, (1 << 20) + 123);
+        let capped = measure_in_windows(&path, 300 << 10, 3, 256 << 10).unwrap();
+        assert_eq!(capped.bytes, 300 << 10);
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 }
