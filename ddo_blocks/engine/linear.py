@@ -530,9 +530,13 @@ class LinearEngine:
         """The simulator's steady step and compute wait for this plan with the given compute times."""
         step, _, wait, _ = _native.simulate(
             self.unit_bytes, unit_compute_s, list(self.plan["resident"]), max(self.n_slots, 1),
-            self.link_bytes_per_s, 4,
+            self.link_bytes_per_s, 4, *self._disk_sim_args(),
         )
         return step, wait
+
+    def _disk_sim_args(self) -> tuple:
+        """Extra simulator arguments for units read from disk (the NVMe route); none here."""
+        return ()
 
     # ---------------------------------------------------------------------------------------------
     @property

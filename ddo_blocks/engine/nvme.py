@@ -271,17 +271,11 @@ class NvmeEngine(LinearEngine):
     # ---------------------------------------------------------------------------------------------
     # prediction and report
     # ---------------------------------------------------------------------------------------------
-    def _from_disk(self) -> list[bool]:
-        return list(self.cache_plan["from_disk"]) if self.cache_plan else [False] * len(self.units)
-
-    def _simulate(self, unit_compute_s: list[float]) -> tuple[float, float]:
+    def _disk_sim_args(self) -> tuple:
         if self.disk_bytes_per_s is None:
-            return super()._simulate(unit_compute_s)
-        step, _, wait, _ = _native.simulate(
-            self.unit_bytes, unit_compute_s, list(self.plan["resident"]), max(self.n_slots, 1),
-            self.link_bytes_per_s, 4, self._from_disk(), self.disk_bytes_per_s,
-        )
-        return step, wait
+            return ()
+        from_disk = list(self.cache_plan["from_disk"]) if self.cache_plan else [False] * len(self.units)
+        return from_disk, self.disk_bytes_per_s
 
     @property
     def cached_bytes(self) -> int:
