@@ -63,11 +63,15 @@ def test_exact_for_every_ram_budget(saved, layout, ram):
         assert rep["runtime"]["file_fetches"] >= 3 * plan["disk_units"]
         assert rep["runtime"]["disk_call_bytes"] >= plan["disk_bytes"]
         assert rep["roofline"]["disk_bound_s"] > 0
+        opened = [part.split(": ") for part in rep["setup"]["o_direct_files"].split(", ")]  # files of disk units
+        assert opened and {name for name, _ in opened} <= {f.name for f in (root / layout).glob("*.safetensors")}
+        assert all(direct in ("yes", "no") for _, direct in opened)
         # the calibrated prediction simulates disk units at min(link, disk): with a disk far slower
         # than the link and no compute, the step is at least the disk's read time
         engine = handle.engine
         compute = [0.0] * len(engine.units)
-        engine.disk_bytes_per_s, link_only = None, engine._simulate(compute)[0]
+        engine.disk_bytes_per_s = None
+        link_only = engine._simulate(compute)[0]
         engine.disk_bytes_per_s = engine.link_bytes_per_s / 100
         with_disk = engine._simulate(compute)[0]
         assert with_disk > link_only and with_disk >= 0.99 * plan["disk_bytes"] / engine.disk_bytes_per_s

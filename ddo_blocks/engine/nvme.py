@@ -48,7 +48,7 @@ READ_GAP_BYTES = 64 << 10
 
 
 def _native_align() -> int:
-    return 4096  # ddo_cuda::READ_ALIGN: O_DIRECT offsets, lengths and buffers
+    return 4096  # ddo_cuda reader::ALIGN: O_DIRECT offsets, lengths and buffers
 
 
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,8 @@ class NvmeEngine(LinearEngine):
         self._disk_params: list[tuple[nn.Parameter, Any]] = []
         self.staging_buffer_bytes = 0
         self._layout: tuple[list[list[int]], list[int]] | None = None
-        self._direct_files: dict[str, bool] = {}
+        self._file_ids: dict[str, int] = {}
+        self._direct_files: dict[str, bool] = {}  # as last asked: a read refused O_DIRECT turns it off
         self.disk_call_bytes: list[int] = []
         self._disk_bytes0 = 0
         self._final_disk_stats = (0, 0)
@@ -178,7 +179,7 @@ class NvmeEngine(LinearEngine):
                         file_ids[src.path] = transport.open_file(str(src.path))
                     pieces.append((file_ids[src.path], src.offset, src.nbytes, off))
                 self._file_unit[u] = transport.add_file_unit(pieces, READ_GAP_BYTES)
-            self._direct_files = {p.name: bool(transport.file_is_direct(i)) for p, i in file_ids.items()}
+            self._file_ids = {p.name: i for p, i in file_ids.items()}
         except BaseException:
             transport.close()
             raise
@@ -293,6 +294,8 @@ class NvmeEngine(LinearEngine):
     def report_extra(self) -> dict[str, dict[str, Any]]:
         """Fields the report adds for this route."""
         stats = self.transport.disk_stats() if self.transport is not None else self._final_disk_stats
+        if self.transport is not None:
+            self._direct_files = {n: bool(self.transport.file_is_direct(i)) for n, i in self._file_ids.items()}
         last = self.disk_call_bytes[-1] if self.disk_call_bytes else None
         return {
             "plan": {

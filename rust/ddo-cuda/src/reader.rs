@@ -59,10 +59,6 @@ impl ReadFile {
         })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Whether reads currently bypass the page cache.
     pub fn is_direct(&self) -> bool {
         self.direct_ok.load(Ordering::Relaxed)

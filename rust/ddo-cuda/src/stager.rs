@@ -46,8 +46,8 @@ pub(crate) struct FileUnit {
 
 #[derive(Debug, Clone)]
 pub(crate) enum Source {
-    /// `n` bytes at a host address.
-    Host(usize),
+    /// `n` bytes at host address `src`.
+    Host { src: usize, n: usize },
     /// A unit read from its files.
     File(Arc<FileUnit>),
 }
@@ -56,7 +56,6 @@ pub(crate) enum Source {
 pub(crate) struct Job {
     pub slot: usize,
     pub dst: usize,
-    pub n: usize,
     pub source: Source,
 }
 
@@ -290,7 +289,7 @@ impl Pipeline {
 
     /// A host job staged through the ring uses every buffer: no read may start until it ran.
     fn reads_blocked(&self) -> bool {
-        matches!(self.steps.back(), Some(Step::Whole(j)) if self.ring.stage_host && matches!(j.source, Source::Host(_)))
+        matches!(self.steps.back(), Some(Step::Whole(j)) if self.ring.stage_host && matches!(j.source, Source::Host { .. }))
     }
 
     /// Takes new jobs and starts chunk reads while a ring buffer is free. Blocks for a job only
@@ -439,14 +438,14 @@ impl Pipeline {
     fn run_whole(&mut self, job: &Job) -> Result<()> {
         self.wait_consumed(job.slot)?;
         match &job.source {
-            Source::Host(src) if !self.ring.stage_host => self.put(job.dst, *src, job.n)?,
-            Source::Host(src) => {
+            &Source::Host { src, n } if !self.ring.stage_host => self.put(job.dst, src, n)?,
+            &Source::Host { src, n } => {
                 // No chunk is queued (reads_blocked), so every buffer is free for this job.
                 let mut off = 0usize;
-                while off < job.n {
+                while off < n {
                     let b = self.ring.take()?;
                     let buf = &self.ring.buffers[b];
-                    let len = buf.len().min(job.n - off);
+                    let len = buf.len().min(n - off);
                     self.pool.install(|| copy_host(buf.ptr(), src + off, len));
                     let queued = self.put(job.dst + off, buf.ptr(), len);
                     self.record_uploaded(b)?;

@@ -143,8 +143,7 @@ impl Transport {
             self.pending[slot] = stager.submit(Job {
                 slot,
                 dst,
-                n,
-                source: Source::Host(src),
+                source: Source::Host { src, n },
             })?;
             return Ok(());
         }
@@ -227,7 +226,6 @@ impl Transport {
         self.pending[slot] = stager.submit(Job {
             slot,
             dst,
-            n: fu.copy_bytes as usize,
             source: Source::File(fu),
         })?;
         Ok(())
