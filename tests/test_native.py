@@ -93,6 +93,16 @@ def test_planner_from_python():
     assert _native.minimum_budget([100, 50], 10) == 10 + 150  # keeping both is cheaper than two slots
 
 
+def test_simulate_with_and_without_a_disk():
+    args = ([1 << 20] * 4, [0.0] * 4, [False] * 4, 2, 1e9)
+    link = _native.simulate(*args, 3)[0]
+    disk = _native.simulate(*args, 3, [True] * 4, 1e8)[0]
+    assert disk >= 0.99 * (4 << 20) / 1e8 > link
+    for half in (([True] * 4, None), (None, 1e8)):
+        with pytest.raises(ddo_blocks.PlanError, match="both from_disk and disk_bytes_per_s"):
+            _native.simulate(*args, 3, *half)
+
+
 def test_layout_is_aligned_and_exact():
     offsets, n = _native.layout_unit([10, 0, 300, 7])
     assert all(o % 256 == 0 for o in offsets)

@@ -5,8 +5,11 @@
 //! every unit just before it is needed again). Given the streamed units, a RAM budget and the disk
 //! and link bandwidths, [`plan_ram_cache`] picks that set: a few candidate sets (largest units
 //! first, which keeps the most bytes off the disk, and cached units spread evenly between the disk
-//! units, so the link has RAM-sourced work while the disk reads) are scored with
-//! [`simulate_disk`]; the fastest wins, ties going to more cached bytes. The roofline is
+//! units) are scored with [`simulate_disk`]; the fastest wins, ties going to more cached bytes,
+//! then to the earlier candidate. That simulation puts disk reads on the link's timeline (it does
+//! not model the staging ring's read-ahead), so when the copies dominate, candidates with equal
+//! cached bytes score the same and largest-first wins; the spread sets can only win where compute
+//! gaps make the order of slow and fast copies matter. The roofline is
 //! `max(compute, disk bytes / disk bandwidth, streamed bytes / link bandwidth)`.
 
 use serde::{Deserialize, Serialize};

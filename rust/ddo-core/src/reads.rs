@@ -73,7 +73,12 @@ pub fn plan_reads(
     }
     let mut sorted: Vec<ReadPiece> = pieces.iter().copied().filter(|p| p.len > 0).collect();
     for p in &sorted {
-        if p.offset.checked_add(p.len).is_none() {
+        // the aligned end must exist too
+        let end = p.offset.checked_add(p.len);
+        if end
+            .and_then(|e| e.checked_next_multiple_of(align))
+            .is_none()
+        {
             return Err(CoreError::InvalidPlanRequest(format!(
                 "read range at offset {} of {} bytes overflows",
                 p.offset, p.len
@@ -82,12 +87,15 @@ pub fn plan_reads(
     }
     sorted.sort_by_key(|p| (p.file, p.offset, p.dst));
 
-    // Extents: runs of pieces of one file with gaps of at most `max_gap`.
+    // Extents: runs of pieces of one file whose aligned blocks are at most `max_gap` apart (pieces
+    // sharing a block always merge, so no block is read twice).
     let mut extents: Vec<(usize, u64, u64, Vec<ReadPiece>)> = Vec::new();
     for p in sorted {
         match extents.last_mut() {
             Some((file, _, hi, members))
-                if *file == p.file && p.offset <= hi.saturating_add(max_gap) =>
+                if *file == p.file
+                    && p.offset / align * align
+                        <= (hi.div_ceil(align) * align).saturating_add(max_gap) =>
             {
                 *hi = (*hi).max(p.offset + p.len);
                 members.push(p);
@@ -102,7 +110,7 @@ pub fn plan_reads(
         let a_hi = hi.div_ceil(align) * align;
         let mut c_lo = a_lo;
         while c_lo < a_hi {
-            let c_hi = (c_lo + max_chunk).min(a_hi);
+            let c_hi = c_lo.saturating_add(max_chunk).min(a_hi);
             let mut copies = Vec::new();
             let mut needed = 0;
             for p in &members {
@@ -209,9 +217,29 @@ mod tests {
         assert_eq!(chunks.len(), 3);
         assert_eq!(chunks.iter().filter(|c| c.file == 0).count(), 2);
         check_cover(&pieces, &chunks, 4096, 1 << 20);
+        // without a gap allowance [0, 10) and [100, 110) still share their block: one read
         let none = plan_reads(&pieces, 4096, 1 << 20, 0).unwrap();
-        assert_eq!(none.len(), 4);
+        assert_eq!(none.len(), 3);
         check_cover(&pieces, &none, 4096, 1 << 20);
+    }
+
+    #[test]
+    fn no_block_is_read_twice_and_gaps_count_in_blocks() {
+        // [0, 5000) and [5001, 5011) share block 1: one read of two blocks
+        let shared = [piece(0, 0, 5000, 0), piece(0, 5001, 10, 5120)];
+        let chunks = plan_reads(&shared, 4096, 1 << 20, 0).unwrap();
+        assert_eq!(
+            (chunks.len(), chunks[0].offset, chunks[0].len),
+            (1, 0, 8192)
+        );
+        check_cover(&shared, &chunks, 4096, 1 << 20);
+        // blocks 0 and 2: one block apart, merged only when the allowance covers that block
+        let apart = [piece(0, 10, 10, 0), piece(0, 8192 + 10, 10, 256)];
+        assert_eq!(plan_reads(&apart, 4096, 1 << 20, 0).unwrap().len(), 2);
+        assert_eq!(plan_reads(&apart, 4096, 1 << 20, 4095).unwrap().len(), 2);
+        let merged = plan_reads(&apart, 4096, 1 << 20, 4096).unwrap();
+        assert_eq!((merged.len(), merged[0].len), (1, 3 * 4096));
+        check_cover(&apart, &merged, 4096, 1 << 20);
     }
 
     #[test]
@@ -219,6 +247,8 @@ mod tests {
         assert!(plan_reads(&[], 3000, 1 << 20, 0).is_err());
         assert!(plan_reads(&[], 4096, 100, 0).is_err());
         assert!(plan_reads(&[piece(0, u64::MAX, 2, 0)], 4096, 1 << 20, 0).is_err());
+        // the range fits but its aligned end does not
+        assert!(plan_reads(&[piece(0, u64::MAX - 10, 5, 0)], 4096, 1 << 20, 0).is_err());
         assert!(plan_reads(&[piece(0, 5, 0, 0)], 4096, 1 << 20, 0)
             .unwrap()
             .is_empty());

@@ -95,7 +95,8 @@ fn minimum_budget(unit_bytes: Vec<u64>, base_bytes: u64, min_slots: usize) -> u6
 }
 
 /// Simulates the copy and compute streams; returns `(step_s, first_pass_s, compute_wait_s, link_busy_s)`.
-/// With `from_disk` and `disk_bytes_per_s` (the NVMe route), the flagged units are read from disk.
+/// With `from_disk` and `disk_bytes_per_s` (the NVMe route, both or neither), the flagged units are
+/// read from disk.
 #[pyfunction]
 #[pyo3(signature = (unit_bytes, unit_compute_s, resident, slots, link_bytes_per_s, passes=3, from_disk=None, disk_bytes_per_s=None))]
 #[allow(clippy::too_many_arguments)]
@@ -108,7 +109,7 @@ fn simulate(
     passes: usize,
     from_disk: Option<Vec<bool>>,
     disk_bytes_per_s: Option<f64>,
-) -> (f64, f64, f64, f64) {
+) -> PyResult<(f64, f64, f64, f64)> {
     let r = match (from_disk, disk_bytes_per_s) {
         (Some(disk), Some(bw)) => ddo_core::simulate_disk(
             &unit_bytes,
@@ -120,7 +121,7 @@ fn simulate(
             bw,
             passes,
         ),
-        _ => ddo_core::simulate(
+        (None, None) => ddo_core::simulate(
             &unit_bytes,
             &unit_compute_s,
             &resident,
@@ -128,6 +129,11 @@ fn simulate(
             link_bytes_per_s,
             passes,
         ),
+        _ => {
+            return Err(core_err(ddo_core::CoreError::InvalidPlanRequest(
+                "simulate needs both from_disk and disk_bytes_per_s, or neither".into(),
+            )))
+        }
     };
     let SimResult {
         step_s,
@@ -136,7 +142,7 @@ fn simulate(
         link_busy_s,
         ..
     } = r;
-    (step_s, first_pass_s, compute_wait_s, link_busy_s)
+    Ok((step_s, first_pass_s, compute_wait_s, link_busy_s))
 }
 
 /// Lays out one unit's tensors at 256-byte aligned offsets: `(offsets, unit_nbytes)`.
