@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import sys
 import time
 from datetime import date
@@ -81,8 +82,7 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
     disk = busy(k0, disk_ticks(dev), sum(times))  # over every timed call, the first included
     stop.set()
     rep = handle.report().to_dict()
-    steady = sorted(times[1:])
-    step = steady[len(steady) // 2]
+    step = statistics.median(times[1:])
     result = {
         "setup_s": setup_s,
         "first_call_s": times[0],
@@ -133,11 +133,10 @@ def row_diffusers(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     times, out = _timed(model, x, args.device, args.repeats)
     stop.set()
-    steady = sorted(times[1:])
     return {
         "setup_s": setup_s,
         "first_call_s": times[0],
-        "step_s": steady[len(steady) // 2],
+        "step_s": statistics.median(times[1:]),
         "rss_before": rss0,
         "peak_rss_above_before": max(peak[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - rss0,
         "gpu_peak_allocated": torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None,
@@ -286,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram-budgets", default="0,8,16", help="GiB, or fractions of the weights")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-diffusers", action="store_true")
-    p.add_argument("--disk-probe-gib", type=float, default=4.0, help="bytes read to measure the disk")
+    p.add_argument("--disk-probe-gib", type=float, default=4.0, help="GiB of the largest file read by the 1- and 8-reader probes")
     p.add_argument("--page-cache-limit", type=float, default=None, metavar="GIB",
                    help="run each row's timed calls in a memory cgroup of this size (root), so that no route "
                    "is served from the page cache of a machine with more RAM than the model")

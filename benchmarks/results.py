@@ -62,7 +62,6 @@ def derive(doc: dict[str, Any]) -> dict[str, Any]:
     rows = doc.get("rows", [])
     bw = doc.get("bandwidth") or {}
     link = bw.get("pinned_h2d_gb_s")
-    link_bps = link * 1e9 if link else None
     host = bw.get("host_copy_gb_s") or {}
     cpu_count = (doc.get("machine") or {}).get("cpu_count") or 8
     resident = [r for r in rows if r.get("route") == "resident" and _ok(r)]
@@ -81,6 +80,12 @@ def derive(doc: dict[str, Any]) -> dict[str, Any]:
         r["label"] = label(r)
         if not _ok(r):
             continue
+        if r.get("run_bandwidth"):  # a merged row: the bandwidth measured in its own run
+            run_link = r["run_bandwidth"].get("pinned_h2d_gb_s")
+            link_bps = run_link * 1e9 if run_link else None
+            host = r["run_bandwidth"].get("host_copy_gb_s") or {}
+        else:
+            link_bps, host = (link * 1e9 if link else None), doc["derived"]["host_copy_gb_s"]
         streamed = r.get("streamed_bytes")
         transfer = streamed / link_bps if streamed is not None and link_bps else None
         terms = [x for x in (compute_s, transfer) if x is not None]
@@ -314,7 +319,8 @@ def markdown(doc: dict[str, Any]) -> str:
             "`max(compute_s, streamed_bytes / min(pinned_h2d_bandwidth, host_copy_bandwidth at the staging threads))`. "
             "compute_s is the resident row's step; streamed bytes are the row's own (ours: the report's "
             "`plan.streamed_bytes`; peers: weight bytes minus the GPU memory allocated right after attaching, "
-            "i.e. what they keep resident). `ratio_pinned` in the JSON is every row against the pinned roofline."
+            "i.e. what they keep resident). `ratio_pinned` in the JSON is every row against the pinned roofline. "
+            "In a merged result each row uses the bandwidths measured in its own run (`run_bandwidth`)."
         ),
         (
             "- **peak GPU alloc / reserved**: `torch.cuda.max_memory_allocated/reserved()`, reset after the warm-up, "
@@ -331,10 +337,12 @@ def markdown(doc: dict[str, Any]) -> str:
         ),
         (
             "- **setup s**: wall time of the attach call (offload / enable_group_offload / enable_offload / .to()), "
-            "pinning included. **first call s**: the first forward (order tracing, cold slots), after a process "
-            "warm-up (one forward of a 1 + 1 block model of the same width and shapes, `process_warmup_s` in the "
-            "JSON) so CUDA and kernel loading are not counted. "
-            "**predicted s**: our planner's `plan.predicted_step_s` (before any call; "
+            "pinning included. **first call s**: the first forward (order tracing, cold slots), "
+            + ("after a process warm-up (one forward of a 1 + 1 block model of the same width and shapes, "
+               "`process_warmup_s` in the JSON) so CUDA and kernel loading are not counted. "
+               if any(r.get("process_warmup_s") is not None for r in doc.get("rows", []))
+               else "CUDA and kernel loading included (no process warm-up in this run). ")
+            + "**predicted s**: our planner's `plan.predicted_step_s` (before any call; "
             "compute from a prior). **calibrated s**: the same simulator with the compute measured on the second call "
             "(`runtime.calibrated_predicted_step_s`)."
         ),
@@ -457,7 +465,8 @@ def write(doc: dict[str, Any], out: Path, *, with_plot: bool = True) -> dict[str
 
 def merge(docs: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     """One document from several runs: rows keyed by (route, preset, budget), later runs winning;
-    bandwidth and machine from the latest run that has them."""
+    each row keeps the bandwidth of its own run (its roofline uses it); the document's bandwidth and
+    machine come from the latest run that has them."""
     if not docs:
         raise ValueError("nothing to merge")
     base = json.loads(json.dumps(docs[0]))
@@ -476,6 +485,7 @@ def merge(docs: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
                 continue  # keep a measured row over a later skipped/failed one
             r = dict(r)
             r["source_run"] = src
+            r["run_bandwidth"] = d.get("bandwidth")  # its roofline uses the link measured in its run
             rows[key] = r
         if d.get("bandwidth"):
             base["bandwidth"] = d["bandwidth"]

@@ -111,6 +111,31 @@ def test_merge(tiny_run: Path, tmp_path: Path):
     assert (out / "results.md").exists()
 
 
+def test_merge_keeps_measured_rows_and_each_run_s_bandwidth(tiny_run: Path):
+    from benchmarks import results as R
+
+    first = json.loads((tiny_run / "results.json").read_text())
+    later = json.loads(json.dumps(first))
+    later["bandwidth"]["pinned_h2d_gb_s"] = first["bandwidth"]["pinned_h2d_gb_s"] * 2
+    ours = next(i for i, r in enumerate(later["rows"]) if r["route"] == "ours")
+    later["rows"][ours] = {**later["rows"][ours], "status": "failed", "step_s": None}
+    for r in later["rows"]:  # a negligible compute bound, so that the link term decides every roofline
+        if r["route"] == "resident":
+            r["step_s"] = 1e-12
+    doc = R.derive(R.merge([first, later], ["a", "b"]))
+    rows = {R.row_key(r): r for r in doc["rows"]}
+    kept = rows[R.row_key(first["rows"][ours])]
+    assert kept["source_run"] == "a" and kept["step_s"] == first["rows"][ours]["step_s"]  # measured row kept
+    replaced = next(r for r in doc["rows"] if r["source_run"] == "b" and r.get("streamed_bytes"))
+    # each row's roofline uses its own run's link: the later run's doubled link halves its transfer term
+    link_b = later["bandwidth"]["pinned_h2d_gb_s"] * 1e9
+    assert replaced["roofline_pinned_s"] == max(doc["derived"]["compute_s"], replaced["streamed_bytes"] / link_b)
+    # ... and the kept row of the first run still uses the first run's link
+    link_a = first["bandwidth"]["pinned_h2d_gb_s"] * 1e9
+    assert kept["roofline_pinned_s"] == max(doc["derived"]["compute_s"], kept["streamed_bytes"] / link_a)
+    assert kept["streamed_bytes"] / link_a > doc["derived"]["compute_s"]
+
+
 @pytest.mark.slow
 def test_spawn_isolation(tmp_path: Path):
     """The fallback where forking is unsafe: every row (and the builder) a fresh interpreter."""
