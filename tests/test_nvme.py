@@ -154,7 +154,7 @@ def test_changed_file_is_a_checkpoint_error(saved, tmp_path, change):
     data = f.read_bytes()
     if change == "replaced":  # a new file renamed over the old one
         tmp = d / "new.tmp"
-        tmp.write_bytes(data[:8] + data[8:].replace(b"\x00", b"\x00"))
+        tmp.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # same size, other weights
         st = f.stat()
         os.replace(tmp, f)
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
@@ -173,6 +173,29 @@ def test_changed_file_is_a_checkpoint_error(saved, tmp_path, change):
         handle.remove()
     handle.remove()  # the second call finishes the removal
     assert handle.removed
+
+
+def test_out_of_memory_during_remove_keeps_the_offload_working(saved, monkeypatch):
+    root, model, x, ref = saved
+    handle = _load(root / "single", model, 0)
+    loader = handle.engine.loader
+
+    def no_memory(pairs):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(loader, "read_many", no_memory)
+    with pytest.raises(ddo_blocks.OffloadMemoryError, match=r"still in place.*remove\(\) again"):
+        handle.remove()
+    assert not handle.removed
+    with torch.no_grad():
+        assert torch.equal(handle.module(**x)[0], ref)  # still offloaded, still exact
+    monkeypatch.undo()
+    handle.remove()
+    assert handle.removed
+    for (n, p1), (_, p2) in zip(model.named_parameters(), handle.module.named_parameters()):
+        assert torch.equal(p1, p2), n
+    with torch.no_grad():
+        assert torch.equal(handle.module(**x)[0], ref)
 
 
 def test_offload_without_files_points_to_from_pretrained():

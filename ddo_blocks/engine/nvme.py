@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import _native
 from ..budget import fmt_bytes
-from ..errors import CheckpointError, ConfigError, DdoError
+from ..errors import CheckpointError, ConfigError, DdoError, OffloadMemoryError
 from ..presets import Preset
 from ..units import tensor_nbytes
 from . import bandwidth
@@ -244,6 +244,18 @@ class NvmeEngine(LinearEngine):
                 error = exc
                 for p, _ in disk:
                     self._orig_device.pop(id(p), None)  # stays a NaN placeholder: unusable rather than wrong
+            except BaseException as exc:
+                # nothing is detached yet: the offload stays in place and working, remove() can be retried
+                self._disk_params = disk
+                if isinstance(exc, MemoryError):
+                    nbytes = sum(p.numel() * p.element_size() for p, _ in disk)
+                    raise OffloadMemoryError(
+                        f"removing the offload of {type(self.module).__name__} reads the {len(disk)} tensors kept "
+                        f"on disk back into host RAM ({fmt_bytes(nbytes)}), and that allocation failed ({exc}). "
+                        "The offload is still in place and the module still runs: free host memory and call "
+                        "remove() again, or keep the offload"
+                    ) from exc
+                raise
         if self.transport is not None:
             # Closed here, not by the linear rollback: a failed disk read is reported again by
             # close() (after draining), and must not stop the rest of the removal.
@@ -323,7 +335,3 @@ class NvmeEngine(LinearEngine):
                 "disk_bound_s": self.disk_bound_s,
             },
         }
-
-    def describe_cache(self) -> str:
-        return (f"{len(self.cached_units)} units ({fmt_bytes(self.cached_bytes)}) in RAM, "
-                f"{len(self.disk_units)} units ({fmt_bytes(self.disk_bytes)}) from disk per call")
