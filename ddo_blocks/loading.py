@@ -211,9 +211,17 @@ class Loader:
             self._bar = None
 
 
+def config_dtype(directory: Path) -> torch.dtype | None:
+    """The ``torch_dtype`` (or ``dtype``) the directory's config.json names, if any."""
+    cfg = json.loads((directory / "config.json").read_text())
+    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) else None
+
+
 def build_on_meta(model_class: type, directory: Path, dtype: torch.dtype | None) -> nn.Module:
     """Builds ``model_class`` from the directory's config with parameters on the meta device
-    (buffers stay real: non-persistent ones are computed in ``__init__`` and not in checkpoints)."""
+    (buffers stay real: non-persistent ones are computed in ``__init__`` and not in checkpoints),
+    cast to ``dtype`` when given (with the class's float32 modules kept in float32)."""
     from accelerate import init_empty_weights
 
     if not (directory / "config.json").is_file():
@@ -228,10 +236,6 @@ def build_on_meta(model_class: type, directory: Path, dtype: torch.dtype | None)
                 f"{model_class.__name__} is neither a diffusers model (load_config/from_config) nor a "
                 "transformers model (config_class); build it yourself and call ddo_blocks.offload()"
             )
-    if dtype is None:
-        cfg = json.loads((directory / "config.json").read_text())
-        name = cfg.get("torch_dtype") or cfg.get("dtype")
-        dtype = getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
     if dtype is not None:
         # As diffusers' loader: modules the class keeps in float32 stay there under fp16/bf16.
         keep = list(getattr(model_class, "_keep_in_fp32_modules", None) or [])
@@ -299,10 +303,12 @@ def from_pretrained(
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory; pass the model directory (and subfolder=)")
     checkpoint = Checkpoint(directory)
+    if dtype is None and (directory / "config.json").is_file():
+        dtype = config_dtype(directory)
     model = build_on_meta(model_class, directory, dtype)
     if dtype is None:  # no dtype anywhere: take the file's, per tensor
-        for p in model.parameters():
-            src = checkpoint.tensors.get(next((n for n, q in model.named_parameters() if q is p), ""))
+        for name, p in model.named_parameters():
+            src = checkpoint.tensors.get(name)
             if src is not None and p.is_floating_point():
                 p.data = p.data.to(src.dtype)
     unmeta(model)

@@ -139,3 +139,25 @@ def test_modules_kept_in_float32_stay_float32(tmp_path):
     assert {n: p.dtype for n, p in theirs.named_parameters()} == dtypes
     assert torch.float32 in dtypes.values() and torch.bfloat16 in dtypes.values()
     handle.remove()
+
+
+def test_dtype_comes_from_the_argument_then_the_config_then_the_file(saved, tmp_path):
+    import shutil
+
+    root, model, x, ref = saved  # a bf16 checkpoint
+    d = tmp_path / "m"
+    shutil.copytree(root / "single", d)
+    assert FluxTransformer2DModel.load_config(d).get("torch_dtype") is None
+    h = ddo_blocks.from_pretrained(FluxTransformer2DModel, d, device="cpu", progress=False)
+    assert {p.dtype for p in h.module.parameters()} == {torch.bfloat16}  # the file's
+    h.remove()
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}))
+    h = ddo_blocks.from_pretrained(FluxTransformer2DModel, d, device="cpu", progress=False)
+    assert {p.dtype for p in h.module.parameters()} == {torch.float32}  # the config's
+    for (n, p1), (_, p2) in zip(model.named_parameters(), h.module.named_parameters()):
+        assert torch.equal(p1.float(), p2), n  # the file's bf16 values, widened exactly
+    h.remove()
+    h = ddo_blocks.from_pretrained(FluxTransformer2DModel, d, dtype=torch.bfloat16, device="cpu", progress=False)
+    assert {p.dtype for p in h.module.parameters()} == {torch.bfloat16}  # the argument's
+    h.remove()
