@@ -188,18 +188,21 @@ class Loader:
         self.read_many([(src, out)])
         return out
 
-    def materialize_many(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        """Like :meth:`materialize` for many tensors. For a GPU, the files are read in parallel into
-        two page-locked staging buffers in turn while the other one's upload runs, instead of
-        pageable tensor-by-tensor copies (about 6 GB/s)."""
+    def materialize_many(
+        self, tensors: list[torch.Tensor], device: torch.device, *, pinned: bool = True
+    ) -> list[torch.Tensor]:
+        """Like :meth:`materialize` for many tensors. For a GPU with ``pinned``, the files are read in
+        parallel into two page-locked staging buffers in turn while the other one's upload runs,
+        instead of pageable tensor-by-tensor copies (about 6 GB/s); without it (presets that promise
+        no large page-locked regions) each tensor goes through pageable memory."""
         if device.type != "cuda":
             return [self.materialize(t, device) for t in tensors]
         outs = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
         batch: list[tuple[TensorSource, torch.Tensor]] = []
         for t, out in zip(tensors, outs):
             src = self.take(t)
-            if src.dtype != t.dtype or src.nbytes > STAGING_BYTES:
-                self.fill(src, out)  # casts, or too big for the staging buffer
+            if not pinned or src.dtype != t.dtype or src.nbytes > STAGING_BYTES:
+                self.fill(src, out)  # pageable: asked for, casts, or too big for the staging buffer
             else:
                 batch.append((src, out))
         staged_upload(batch, device, lambda src: src.nbytes, self.read_many)

@@ -185,11 +185,12 @@ class LinearEngine:
             if buf.device != dev:
                 owner._buffers[name] = buf.to(dev)
         params = [p for _, p in self.leftovers] + [p for u in self.resident_units for _, p in u.params]
+        pinned = self.preset.host is HostMode.PINNED_SLABS
         if self.loader is not None:
             pending = [p for p in params if self.loader.pending(p)]
-            for p, data in zip(pending, self.loader.materialize_many(pending, dev)):
+            for p, data in zip(pending, self.loader.materialize_many(pending, dev, pinned=pinned)):
                 p.data = data
-        if dev.type == "cuda" and self.preset.host is HostMode.PINNED_SLABS:
+        if dev.type == "cuda" and pinned:
             # pageable tensor-by-tensor .to() runs at ~8 GB/s: stage through two pinned buffers,
             # pointing each parameter at its GPU copy (freeing the host one) batch by batch. Presets
             # that avoid page-locked memory keep .to(), which frees each host tensor as it goes; so
