@@ -4,14 +4,12 @@ loaded offline with ``ModularPipelineBlocks.from_pretrained(dir, trust_remote_co
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers.modular_pipelines import FluxAutoBlocks, ModularPipelineBlocks
 
-import ddo_blocks
 from ddo_blocks.blocks import REPORTS_KEY, OffloadBlock, remove_offload
 from ddo_blocks.tiny_pipeline import CALL_DEFAULTS, ensure_tiny_model, load_components
 
@@ -70,5 +68,3 @@ def test_offload_block_loads_offline_with_its_stage():
 def test_loading_needs_trust_remote_code():
     with pytest.raises(ValueError):
         ModularPipelineBlocks.from_pretrained(str(ROOT / "pipelines" / "ddo_flux"), trust_remote_code=False)
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
-    assert ddo_blocks.wrap is not None
