@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
                        help="preset of that route (default: the route's auto); `python -m ddo_blocks presets`")
         g.add_argument(f"--{flag}-budget", dest=f"{stage}_budget", default=None,
                        help="VRAM budget per component for the linear route, e.g. 6GiB, or 'min' for the "
-                            "smallest block-level plan: the always-resident weights plus two slots of the largest block")
+                            "smallest plan: the always-resident weights plus two slots of the largest unit "
+                            "(blocks or their children, whichever needs less)")
         if stage != "denoise":
             g.add_argument(f"--{flag}-offload-type", dest=f"{stage}_offload_type", default=None,
                            choices=("leaf_level", "block_level"),
