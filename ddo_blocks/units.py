@@ -125,3 +125,37 @@ def split_units(module: nn.Module, granularity: str = "block") -> tuple[list[Uni
 
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def span_elements(t: torch.Tensor) -> int:
+    """Elements of storage a tensor reaches from its first element: ``numel`` for a contiguous or
+    transposed tensor, fewer for an expanded one (stride 0), more for a strided slice."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def span_nbytes(t: torch.Tensor) -> int:
+    """Bytes of storage a tensor reaches: what a slab or slot holds for it, so that its view there
+    keeps the tensor's own strides (and the kernels it runs with stay the same)."""
+    return span_elements(t) * t.element_size()
+
+
+def flat_span(t: torch.Tensor) -> torch.Tensor:
+    """The storage ``t`` reaches, as a 1-D contiguous tensor of its dtype (a view, no copy)."""
+    return t.as_strided((span_elements(t),), (1,))
+
+
+def strided_view(base: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A view of ``like``'s shape, dtype and strides at byte ``offset`` of the uint8 tensor ``base``."""
+    region = base[offset : offset + span_nbytes(like)].view(like.dtype)
+    return region.as_strided(like.shape, like.stride())
+
+
+def own_copy(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """``t``'s values in fresh memory from PyTorch's allocator on ``device`` (default: ``t``'s), with
+    ``t``'s shape and strides, at an address as aligned as any tensor PyTorch allocates."""
+    storage = torch.empty(span_elements(t), dtype=t.dtype, device=device or t.device)
+    if storage.numel():
+        storage.copy_(flat_span(t))
+    return storage.as_strided(t.shape, t.stride())

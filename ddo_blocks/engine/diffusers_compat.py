@@ -32,8 +32,12 @@ from torch import nn
 
 from ..errors import ConfigError, OffloadMemoryError, OffloadStateError
 from ..presets import Preset, resolve
+from ..units import own_copy
 
 ROUTE = "diffusers"
+
+CPU_ALIGN = 64
+"""The alignment of PyTorch's CPU allocator: restored tensors live at such addresses."""
 
 OPTION_NAMES = (
     "offload_type",
@@ -298,8 +302,12 @@ class DiffusersGroupOffloadEngine:
             data = tensor.data
             if data.device != dev:
                 data = data.to(dev)
-            elif data.device.type == "cpu" and data.is_pinned():
-                data = data.clone()  # out of diffusers' pinned copies, so that memory can go
+            elif data.device.type == "cpu" and (data.is_pinned() or data.data_ptr() % CPU_ALIGN):
+                # Out of diffusers' pinned copies (so that memory can go), and out of tensors read back
+                # from its disk files, which sit at the file's offsets: a parameter at an address PyTorch's
+                # own allocator would not give (64 bytes) makes some CPU kernels take another path and
+                # the restored module compute different bits.
+                data = own_copy(data)
             tensor.data = data
         self._orig = []
         if self._disk_dir is not None:
