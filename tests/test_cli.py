@@ -20,9 +20,22 @@ def test_presets_command_lists_every_preset():
         assert name in out.stdout
 
 
-def test_doctor_runs():
+def test_doctor_says_what_this_machine_has():
+    import torch
+
+    from ddo_blocks import _native
+
     out = subprocess.run([sys.executable, "-m", "ddo_blocks", "doctor"], capture_output=True, text=True, check=True)
-    assert "CUDA" in out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"ddo_blocks {ddo_blocks.__version__}, torch {torch.__version__}"
+    reason = _native.cuda_unavailable_reason()
+    if reason is not None:
+        assert lines[1:] == [f"CUDA: not available ({reason})"]
+    else:
+        assert lines[1] == f"CUDA driver {_native.cuda_driver_version()}, {_native.cuda_device_count()} device(s)"
+        if torch.cuda.is_available():
+            assert lines[2].startswith(f"{torch.cuda.get_device_name()}: pinned host->device ")
+            assert lines[2].endswith(" GB/s") and float(lines[2].split()[-2]) > 0
 
 
 def test_report_is_versioned_json_with_a_table(flux):

@@ -41,7 +41,7 @@ pub use layout::{
     align_up, layout_slabs, layout_unit, SlabLayout, UnitLayout, UnitPlacement, ALIGN,
 };
 pub use metrics::{Counters, CountersSnapshot};
-pub use planner::{minimum_budget, plan, MinimumBudget, Plan, PlanRequest};
+pub use planner::{minimum_budget, plan, plan_counted, MinimumBudget, Plan, PlanRequest};
 pub use reads::{plan_reads, ChunkCopy, ReadChunk, ReadPiece};
 pub use simulate::{simulate, simulate_disk, SimResult};
 pub use units::fmt_bytes;

@@ -155,12 +155,18 @@ pub fn minimum_budget(unit_bytes: &[u64], base_bytes: u64, min_slots: usize) -> 
 /// Errors: [`CoreError::InvalidPlanRequest`] for meaningless requests and
 /// [`CoreError::BudgetTooSmall`] when no plan fits the budget.
 pub fn plan(req: &PlanRequest) -> Result<Plan> {
+    plan_counted(req).map(|(plan, _)| plan)
+}
+
+/// [`plan`], and how many candidate plans it simulated: the planner's cost, which stays a small
+/// multiple of the unit count because the roofline bound prunes candidates before simulation.
+pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, usize)> {
     let compute = validate(req)?;
     let n = req.unit_bytes.len();
     let everything = req.base_bytes.saturating_add(sum(&req.unit_bytes));
     let budget = match req.budget_bytes {
         Some(b) if b < everything => b,
-        _ => return Ok(all_resident(req, &compute)),
+        _ => return Ok((all_resident(req, &compute), 0)),
     };
 
     let min = minimum_budget(&req.unit_bytes, req.base_bytes, req.min_slots);
@@ -185,6 +191,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
     let max_k = req.max_slots.min(n).max(req.min_slots);
     let mut seen: HashSet<(usize, Vec<bool>)> = HashSet::new();
     let mut best: Option<Plan> = None;
+    let mut simulations = 0usize;
 
     for k in req.min_slots..=max_k {
         for &m in &sizes {
@@ -214,6 +221,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
                 if !seen.insert((k, candidate.resident.clone())) {
                     continue;
                 }
+                simulations += 1;
                 candidate.predicted_step_s = simulate(
                     &req.unit_bytes,
                     &compute,
@@ -241,7 +249,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
             "offload plan chosen"
         );
     }
-    best.ok_or_else(|| {
+    best.map(|p| (p, simulations)).ok_or_else(|| {
         CoreError::InvalidPlanRequest(format!(
             "no plan fits budget {budget} bytes although the minimum is {} bytes",
             min.bytes
