@@ -19,7 +19,7 @@ from .engine.resident import OffEngine, ResidentEngine
 from .errors import BudgetError, ConfigError, CudaNotAvailableError, OffloadStateError
 from .presets import HostMode, Preset, resolve
 from .report import Report, build_report
-from .units import split_units, tensor_nbytes
+from .units import span_nbytes, split_units, tensor_nbytes
 
 _ATTR = "_ddo_offload"
 
@@ -207,7 +207,7 @@ def _linear(module: nn.Module, preset: str, budget: int | None, dev: torch.devic
     units_opt = options.pop("units", "auto")
     _no_options("linear", options)
     units, _ = split_units(module)
-    streamed_guess = sum(tensor_nbytes(p) for u in units for _, p in u.params)
+    streamed_guess = sum(span_nbytes(p) for u in units for _, p in u.params)
     chosen = resolve("linear", preset, streamed_bytes=streamed_guess, total_ram=psutil.virtual_memory().total)
     if chosen.host is HostMode.CALLER:
         return chosen, OffEngine(module, dev)
@@ -274,7 +274,7 @@ def minimum_budget(module: nn.Module, *, units: str = "auto") -> int:
     for granularity in GRANULARITIES if units == "auto" else (units,):
         found, leftovers = split_units(module, granularity)
         base = sum(tensor_nbytes(p) for _, p in leftovers) + buffers
-        sizes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in found]
+        sizes = [_native.layout_unit([span_nbytes(p) for _, p in u.params])[1] for u in found]
         need = _native.minimum_budget(sizes, base)
         best = need if best is None else min(best, need)
     return int(best)

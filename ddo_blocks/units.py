@@ -152,6 +152,12 @@ def strided_view(base: torch.Tensor, offset: int, like: torch.Tensor) -> torch.T
     return region.as_strided(like.shape, like.stride())
 
 
+def geometry(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``t``'s shape, strides and dtype: what a view of ``t`` in a slab or slot
+    is built from, whatever ``t`` is later pointed at."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
 def own_copy(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """``t``'s values in fresh memory from PyTorch's allocator on ``device`` (default: ``t``'s), with
     ``t``'s shape and strides, at an address as aligned as any tensor PyTorch allocates."""

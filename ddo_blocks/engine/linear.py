@@ -25,7 +25,7 @@ from torch import nn
 from .. import _native
 from ..errors import BudgetError, ConfigError, DdoError, OffloadMemoryError, OffloadStateError
 from ..presets import HostMode, Preset
-from ..units import GRANULARITIES, Unit, split_units, tensor_nbytes
+from ..units import GRANULARITIES, Unit, geometry, span_nbytes, split_units, strided_view, tensor_nbytes
 from . import bandwidth
 from .calibrate import Calibration
 from .slabs import SlabSet
@@ -91,6 +91,8 @@ class LinearEngine:
         self._orig_buffers: list[tuple[nn.Module, str, torch.device]] = []
         self.streamed = [u for u, r in zip(self.units, self.plan["resident"]) if not r]
         self.resident_units = [u for u, r in zip(self.units, self.plan["resident"]) if r]
+        self.geometry = [[geometry(p) for _, p in u.params] for u in self.streamed]
+        """Per streamed unit, its tensors' shapes, strides and dtypes as they were at offload time."""
         self.slabs: SlabSet | None = None
         self.transport: Any = None
         self.slot_storage: torch.Tensor | None = None
@@ -123,7 +125,7 @@ class LinearEngine:
     def _plan(self, granularity: str) -> tuple[str, list[Unit], list, list[int], int, dict]:
         units, leftovers = split_units(self.module, granularity)
         base = sum(tensor_nbytes(p) for _, p in leftovers) + sum(tensor_nbytes(b) for _, _, b in self.buffers)
-        sizes = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units]
+        sizes = [_native.layout_unit([span_nbytes(p) for _, p in u.params])[1] for u in units]
         plan = _native.plan(
             sizes,
             base_bytes=base,
@@ -230,15 +232,11 @@ class LinearEngine:
         self.slot_bytes = max(unit_nbytes)
         self.slot_storage = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
         self.slot_views = []
-        for u, unit in enumerate(self.streamed):
+        for u in range(len(self.streamed)):
             per_slot = []
             for s in range(self.n_slots):
                 base = self.slot_storage[s * self.slot_bytes : (s + 1) * self.slot_bytes]
-                views = []
-                for (_, p), off in zip(unit.params, param_offsets[u]):
-                    n = tensor_nbytes(p)
-                    views.append(base[off : off + n].view(p.dtype).view(p.shape))
-                per_slot.append(views)
+                per_slot.append([strided_view(base, off, g) for g, off in zip(self.geometry[u], param_offsets[u])])
             self.slot_views.append(per_slot)
         self.transport = self._make_transport()
         self._free = collections.deque(range(self.n_slots))

@@ -38,7 +38,7 @@ from .. import _native
 from ..budget import fmt_bytes
 from ..errors import CheckpointError, ConfigError, DdoError, OffloadMemoryError
 from ..presets import Preset
-from ..units import tensor_nbytes
+from ..units import span_nbytes, tensor_nbytes
 from . import bandwidth
 from .linear import LinearEngine
 from .slabs import SlabSet
@@ -155,7 +155,7 @@ class NvmeEngine(LinearEngine):
 
     def _streamed_layout(self) -> tuple[list[list[int]], list[int]]:
         if self._layout is None:
-            layouts = [_native.layout_unit([tensor_nbytes(p) for _, p in u.params]) for u in self.streamed]
+            layouts = [_native.layout_unit([span_nbytes(g) for g in unit]) for unit in self.geometry]
             self._layout = ([list(o) for o, _ in layouts], [int(n) for _, n in layouts])
         return self._layout
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import _native
 from ..errors import DdoError
-from ..units import Unit
+from ..units import Unit, flat_span, own_copy, span_elements, span_nbytes, strided_view
 
 ALIGN = 256
 PAGE = 4096
@@ -97,11 +97,6 @@ def _alloc(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     return storage, storage[skip : skip + nbytes]
 
 
-def _view(base: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    n = like.numel() * like.element_size()
-    return base[offset : offset + n].view(like.dtype).view(like.shape)
-
-
 class SlabSet:
     """The host side of one offloaded component's streamed units."""
 
@@ -110,7 +105,7 @@ class SlabSet:
         self.pin = pin
         self.keep_warm = keep_warm
         self.ordinal = ordinal
-        layouts = [_native.layout_unit([p.numel() * p.element_size() for _, p in u.params]) for u in units]
+        layouts = [_native.layout_unit([span_nbytes(p) for _, p in u.params]) for u in units]
         self.param_offsets: list[list[int]] = [offs for offs, _ in layouts]
         self.unit_nbytes: list[int] = [n for _, n in layouts]
         slab_sizes, placements = _native.layout_slabs(self.unit_nbytes, MAX_SLAB_BYTES)
@@ -197,13 +192,15 @@ class SlabSet:
         for u in units:
             uoff = self.placement[u][1]
             for (_, p), off in zip(self.units[u].params, self.param_offsets[u]):
-                v = _view(base, uoff + off, p.data)
+                # the parameter's own strides (a transposed or expanded weight stays one), so the
+                # kernels it runs with are the resident run's
+                v = strided_view(base, uoff + off, p.data)
                 if loader is not None and loader.pending(p):
                     reads.append((loader.take(p), v))
-                elif p.device.type == "cpu" and p.data.is_contiguous():
-                    jobs.append((v.data_ptr(), p.data_ptr(), v.numel() * v.element_size()))
+                elif p.device.type == "cpu" and type(p.data) is torch.Tensor:
+                    jobs.append((v.data_ptr(), p.data_ptr(), span_nbytes(v)))  # the storage it spans
                 else:
-                    v.copy_(p.data)
+                    flat_span(v).copy_(flat_span(p.data))
                 moves.append((u, p, v))
         _native.copy_host_many(jobs)  # parallel, GIL released
         if reads:
@@ -212,7 +209,7 @@ class SlabSet:
         for u, p, v in moves:
             p.data = v
             self.host_views[u].append(v)
-            self.bytes_packed += v.numel() * v.element_size()
+            self.bytes_packed += span_nbytes(v)
         return slab
 
     # -- access ------------------------------------------------------------------------------------
@@ -255,11 +252,11 @@ class SlabSet:
                 views = self.host_views[u] if u < len(self.host_views) else []
                 for (_, p), v in zip(self.units[u].params, views):
                     dev = orig_device[id(p)]
-                    if dev.type == "cpu":
-                        own = torch.empty_like(v, memory_format=torch.contiguous_format)
-                        jobs.append((own.data_ptr(), v.data_ptr(), v.numel() * v.element_size()))
+                    if dev.type == "cpu":  # fresh memory from PyTorch's allocator, the original strides
+                        own = torch.empty(span_elements(v), dtype=v.dtype).as_strided(v.shape, v.stride())
+                        jobs.append((own.data_ptr(), v.data_ptr(), span_nbytes(v)))
                     else:
-                        own = v.to(dev)
+                        own = own_copy(v, dev)
                     moves.append((p, own))
                 if u < len(self.host_views):
                     self.host_views[u] = []
