@@ -14,6 +14,7 @@ from torch import nn
 
 from . import _native
 from .budget import fmt_bytes, parse_bytes
+from .engine import guards
 from .engine.linear import LinearEngine
 from .engine.resident import OffEngine, ResidentEngine
 from .errors import BudgetError, ConfigError, CudaNotAvailableError, OffloadStateError
@@ -70,6 +71,7 @@ class OffloadHandle:
         self.vram_budget = vram_budget
         self.device = device
         self._removed = False
+        self._guard: guards.ConversionGuard | None = None
 
     @property
     def removed(self) -> bool:
@@ -95,6 +97,9 @@ class OffloadHandle:
             )
         self.engine.detach()
         self._removed = True
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         if getattr(self.module, _ATTR, None) is self:
             delattr(self.module, _ATTR)
 
@@ -151,11 +156,7 @@ def offload(
     """
     if not isinstance(module, nn.Module):
         raise ConfigError(f"offload() needs a torch.nn.Module, got {type(module).__name__}")
-    existing = getattr(module, _ATTR, None)
-    if existing is not None:
-        raise OffloadStateError(
-            f"{type(module).__name__} is already offloaded ({existing!r}); call .remove() on that handle first"
-        )
+    _check_not_offloaded(module)
     if route in ("linear", "resident", "nvme"):
         from .engine.diffusers_compat import foreign_offload
 
@@ -172,6 +173,8 @@ def offload(
         )
     options = dict(options)
     loader = options.pop("_loader", None)
+    if loader is None:
+        _check_not_meta(module)
     if loader is not None and route not in _LOADER_ROUTES:
         _materialize(module, loader)  # other routes start from an ordinary CPU module
     elif loader is not None:
@@ -181,7 +184,44 @@ def offload(
     handle = OffloadHandle(module, engine, route=route, preset=chosen, requested=preset, component=component,
                            vram_budget=budget, device=dev)
     setattr(module, _ATTR, handle)
+    if getattr(engine, "owns_placement", False):
+        handle._guard = guards.ConversionGuard(module, dev, lambda: repr(handle))
+        handle._guard.install(handle)
     return handle
+
+
+def _check_not_offloaded(module: nn.Module) -> None:
+    """Refuses a module that is offloaded, part of an offloaded module, or holds one."""
+    existing = getattr(module, _ATTR, None)
+    if existing is not None:
+        raise OffloadStateError(
+            f"{type(module).__name__} is already offloaded ({existing!r}); call .remove() on that handle first"
+        )
+    owner = guards.owner_of(module)
+    if owner is not None:
+        raise OffloadStateError(
+            f"{type(module).__name__} is part of a module that is already offloaded ({owner!r}): its weights are "
+            "that offload's. Call remove() on that handle first, or offload the whole module once"
+        )
+    for name, sub in module.named_modules():
+        inner = getattr(sub, _ATTR, None) if sub is not module else None
+        if inner is not None:
+            raise OffloadStateError(
+                f"{type(module).__name__} holds {name} ({type(sub).__name__}), which is already offloaded "
+                f"({inner!r}); call remove() on that handle first, then offload the whole module"
+            )
+
+
+def _check_not_meta(module: nn.Module) -> None:
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:5]) + (f" and {len(meta) - 5} more" if len(meta) > 5 else "")
+        raise ConfigError(
+            f"{type(module).__name__} has {len(meta)} tensors on the meta device ({shown}): it was built without "
+            "its weights (init_empty_weights, device='meta') and never loaded, so there is nothing to offload. "
+            "Load its weights first (load_state_dict(..., assign=True)), or build and load it in one step with "
+            "ddo_blocks.from_pretrained(ModelClass, path, ...)"
+        )
 
 
 EngineFactory = Callable[[nn.Module, str, "int | None", torch.device, dict], "tuple[Preset, Any]"]

@@ -138,7 +138,7 @@ def test_failure_during_setup_rolls_back(flux_state, monkeypatch):
     from ddo_blocks.engine import slabs as slabs_mod
 
     calls = {"n": 0}
-    real_view = slabs_mod._view
+    real_view = slabs_mod.strided_view
 
     def flaky_view(base, offset, like):
         calls["n"] += 1
@@ -146,7 +146,7 @@ def test_failure_during_setup_rolls_back(flux_state, monkeypatch):
             raise MemoryError("injected allocation failure")
         return real_view(base, offset, like)
 
-    monkeypatch.setattr(slabs_mod, "_view", flaky_view)
+    monkeypatch.setattr(slabs_mod, "strided_view", flaky_view)
     with pytest.raises(MemoryError, match="injected"):
         ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
     monkeypatch.undo()

@@ -214,7 +214,7 @@ class DiffusersGroupOffloadEngine:
         self.device = device
         self.options = options
         self.setup_s = 0.0
-        self._orig: list[tuple[nn.Module, str, bool, torch.device]] = []
+        self._orig: list[tuple[nn.Module, str, bool, torch.device, int]] = []
         self._disk_dir: str | None = None
         self._attached = False
 
@@ -222,7 +222,7 @@ class DiffusersGroupOffloadEngine:
     def attach(self) -> None:
         t0 = time.perf_counter()
         self._orig = [
-            (owner, name, is_param, tensor.device)
+            (owner, name, is_param, tensor.device, tensor.data_ptr())
             for owner in self.module.modules()
             for is_param, table in ((True, owner._parameters), (False, owner._buffers))
             for name, tensor in table.items()
@@ -294,7 +294,7 @@ class DiffusersGroupOffloadEngine:
         registry = HookRegistry.check_if_exists_or_initialize(self.module)
         for name in _HOOK_NAMES:
             registry.remove_hook(name, recurse=True)
-        for owner, name, is_param, dev in self._orig:
+        for owner, name, is_param, dev, ptr in self._orig:
             table = owner._parameters if is_param else owner._buffers
             tensor = table.get(name)
             if tensor is None:
@@ -302,11 +302,12 @@ class DiffusersGroupOffloadEngine:
             data = tensor.data
             if data.device != dev:
                 data = data.to(dev)
-            elif data.device.type == "cpu" and (data.is_pinned() or data.data_ptr() % CPU_ALIGN):
+            elif data.device.type == "cpu" and data.data_ptr() != ptr and (data.is_pinned() or data.data_ptr() % CPU_ALIGN):
                 # Out of diffusers' pinned copies (so that memory can go), and out of tensors read back
-                # from its disk files, which sit at the file's offsets: a parameter at an address PyTorch's
+                # from its disk files, which sit at the files' offsets: a parameter at an address PyTorch's
                 # own allocator would not give (64 bytes) makes some CPU kernels take another path and
-                # the restored module compute different bits.
+                # the restored module compute different bits. Tensors diffusers left in place stay
+                # where the caller had them.
                 data = own_copy(data)
             tensor.data = data
         self._orig = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from .. import _native
 from ..errors import BudgetError, ConfigError, DdoError, OffloadMemoryError, OffloadStateError
 from ..presets import HostMode, Preset
 from ..units import GRANULARITIES, Unit, geometry, span_nbytes, split_units, strided_view, tensor_nbytes
-from . import bandwidth
+from . import bandwidth, guards
 from .calibrate import Calibration
 from .slabs import SlabSet
 from .upload import STAGING_BYTES, copy_from_host, staged_upload
@@ -56,6 +57,17 @@ class EngineStats:
     order_changes: int = 0
 
 
+def _any_requires_grad(tree: Any) -> bool:
+    """Whether any tensor in nested args/kwargs requires grad."""
+    if isinstance(tree, torch.Tensor):
+        return tree.requires_grad
+    if isinstance(tree, (list, tuple)):
+        return any(_any_requires_grad(x) for x in tree)
+    if isinstance(tree, dict):
+        return any(_any_requires_grad(x) for x in tree.values())
+    return False
+
+
 def _streams_for(device: torch.device) -> tuple[Any, Callable[[], int]]:
     if device.type == "cuda":
         copy_stream = torch.cuda.Stream(device)
@@ -64,7 +76,14 @@ def _streams_for(device: torch.device) -> tuple[Any, Callable[[], int]]:
 
 
 class LinearEngine:
-    """Streams one component's units through K device slots. Created by ``ddo_blocks.offload``."""
+    """Streams one component's units through K device slots. Created by ``ddo_blocks.offload``.
+
+    One call at a time: a second thread calling the component waits for the first call to finish
+    (the slots, the schedule and the transport are the component's, not the call's).
+    """
+
+    owns_placement = True
+    """Every weight lives where this engine put it: conversions are refused while it is attached."""
 
     def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device,
                  loader: Any = None, units: str = "auto"):
@@ -103,6 +122,7 @@ class LinearEngine:
         self._wrapped: list[tuple[str, Any, Any]] = []
         self._depth = 0
         self._attached = False
+        self._lock = threading.RLock()  # per component; re-entrant for nested entry points
         # pipeline state (indices into self.streamed)
         self.sched: list[int] = list(range(len(self.streamed)))
         self._sched_pos: dict[int, int] = {u: i for i, u in enumerate(self.sched)}
@@ -255,7 +275,7 @@ class LinearEngine:
 
     def _install_hooks(self) -> None:
         for u, unit in enumerate(self.streamed):
-            self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(u)))
+            self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(u), with_kwargs=True))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(u), always_call=True))
         # Calls are delimited by wrapping the entry points on the instance, with try/finally: torch's
         # always_call hooks do not run on KeyboardInterrupt, which would leave the call open forever.
@@ -277,27 +297,36 @@ class LinearEngine:
         def entry(*args: Any, **kwargs: Any) -> Any:
             if not engine._attached:  # left behind under another wrapper after remove(): transparent
                 return method(*args, **kwargs)
-            engine._enter()
-            clean = False
-            try:
-                out = method(*args, **kwargs)
-                clean = True
-                return out
-            finally:
-                engine._exit(clean)
+            with engine._lock:
+                engine._enter()
+                clean = False
+                try:
+                    out = method(*args, **kwargs)
+                    clean = True
+                    return out
+                finally:
+                    engine._exit(clean)
 
         entry._ddo_entry = True  # type: ignore[attr-defined]
         return entry
 
     def detach(self) -> None:
         """Restores every parameter and buffer to its original device with its own memory."""
-        if self._depth > 0:
+        if not self._lock.acquire(blocking=False):
             raise OffloadStateError(
-                f"cannot remove the offload of {type(self.module).__name__} while it is running; "
-                "call remove() after the forward (or encode/decode) returns"
+                f"cannot remove the offload of {type(self.module).__name__} while another thread runs it; "
+                "call remove() after that call returns"
             )
-        self._rollback()
-        self._attached = False
+        try:
+            if self._depth > 0:
+                raise OffloadStateError(
+                    f"cannot remove the offload of {type(self.module).__name__} while it is running; "
+                    "call remove() after the forward (or encode/decode) returns"
+                )
+            self._rollback()
+            self._attached = False
+        finally:
+            self._lock.release()
 
     def _rollback(self) -> None:
         """Undoes whatever part of the attach happened. Safe on a partial attach."""
@@ -381,10 +410,21 @@ class LinearEngine:
         self._bind(self.streamed[u], self.slabs.host_views[u])
 
     def _make_pre(self, u: int) -> Callable[..., None]:
-        def pre(module: nn.Module, args: Any) -> None:
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
+                self._refuse_backward(u)
             self._unit_start(u)
 
         return pre
+
+    def _refuse_backward(self, u: int) -> None:
+        raise OffloadStateError(
+            f"{type(self.module).__name__} is offloaded for inference, but autograd is on and the input of its "
+            f"streamed unit {self.streamed[u].name!r} requires grad (an input that requires grad, or a trainable "
+            "layer before it): backward would read that unit's weights from a slot that later units have "
+            "overwritten, and give wrong gradients. Run it under torch.no_grad() or torch.inference_mode(), "
+            "detach the input, or keep the component resident (route='resident') to take gradients"
+        )
 
     def _make_post(self, u: int) -> Callable[..., None]:
         def post(module: nn.Module, args: Any, output: Any) -> None:
@@ -446,6 +486,14 @@ class LinearEngine:
                 "parameters require grad: backward would read weights from slots the next units reuse. Run it "
                 "under torch.no_grad() or torch.inference_mode(), or call module.requires_grad_(False)"
             )
+        if self._depth == 0:
+            on_top = guards.offload_on_top(self.module)
+            if on_top is not None:
+                raise OffloadStateError(
+                    f"{type(self.module).__name__} is offloaded by ddo_blocks, and {on_top} was applied on top: "
+                    "the two would move the same weights. Remove the other offloading, or call remove() on "
+                    "the ddo_blocks handle (it restores the weights) and apply only one of them"
+                )
         self._depth += 1
         if self._depth > 1:
             return

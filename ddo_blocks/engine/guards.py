@@ -1,0 +1,119 @@
+"""Guards: what keeps an offloaded module from being changed under its engine without an error.
+
+A streaming engine owns where every parameter of its component lives (slab views, slots, resident
+copies). Three kinds of change would otherwise go unnoticed and give wrong tensors, or break
+``remove()``:
+
+- **conversions** (``module.to(dtype)``, ``.half()``, ``.cpu()``, ``pipe.to("cpu")``): every module of
+  the component gets an ``_apply`` of its own that lets a conversion that changes nothing through
+  (``pipe.to("cuda")`` on a component already running on that GPU) and refuses any other with
+  ``OffloadStateError``;
+- **stacked offloads**: offloading a submodule of an offloaded module, or the module that holds an
+  offloaded one (marks on every submodule, checked by ``offload()``), and diffusers'
+  ``enable_group_offload`` on top (refused on the instance);
+- **offloading hooks installed on top** (``apply_group_offloading``, accelerate's ``cpu_offload``,
+  ``enable_model_cpu_offload``), which wrap ``forward`` and replace or move parameters: the engine
+  checks at the start of every call that no such hook sits on the module, and refuses the call.
+
+All of it is removed again by ``remove()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import OffloadStateError
+
+OWNER_ATTR = "_ddo_owner"
+"""On every submodule of an offloaded component: the handle of that offload."""
+
+_GROUP_HOOKS = ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading")
+
+
+def owner_of(module: nn.Module) -> Any:
+    """The offload this module belongs to as a submodule, if any."""
+    return module.__dict__.get(OWNER_ATTR)
+
+
+class ConversionGuard:
+    """Refuses conversions of an offloaded component's modules (``.to``, ``.half``, ``.cpu``, ...)
+    that would change a dtype or a device, and diffusers' ``enable_group_offload`` on top."""
+
+    def __init__(self, module: nn.Module, device: torch.device, describe: Callable[[], str]):
+        self.module = module
+        self.device = device
+        self.describe = describe
+        self._installed: list[tuple[nn.Module, str, Any]] = []
+        self._dtypes = sorted({t.dtype for t in (*module.parameters(), *module.buffers())}, key=str)
+
+    def install(self, handle: Any) -> None:
+        for sub in self.module.modules():
+            if sub is not self.module:
+                sub.__dict__[OWNER_ATTR] = handle
+            self._installed.append((sub, "_apply", self._make_apply(sub)))
+            if callable(getattr(sub, "enable_group_offload", None)):
+                self._installed.append((sub, "enable_group_offload", self._refuse_group_offload))
+        for sub, name, fn in self._installed:
+            sub.__dict__[name] = fn
+
+    def remove(self) -> None:
+        for sub, name, fn in self._installed:
+            if sub.__dict__.get(name) is fn:
+                del sub.__dict__[name]
+            if sub.__dict__.get(OWNER_ATTR) is not None:
+                del sub.__dict__[OWNER_ATTR]
+        self._installed.clear()
+
+    def changes_something(self, fn: Callable[[torch.Tensor], Any]) -> bool:
+        """Whether the conversion ``fn`` would change a dtype or device of the component: it is
+        tried on an empty tensor of each dtype the component holds, on the device it runs on."""
+        for dtype in self._dtypes:
+            probe = torch.empty(0, dtype=dtype, device=self.device)
+            out = fn(probe)
+            if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.device != probe.device:
+                return True
+        return False
+
+    def _make_apply(self, sub: nn.Module) -> Callable[..., nn.Module]:
+        def _apply(fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> nn.Module:
+            if self.changes_something(fn):
+                where = "" if sub is self.module else f" (a submodule, {type(sub).__name__})"
+                raise OffloadStateError(
+                    f"{type(self.module).__name__}{where} is offloaded ({self.describe()}) and its weights live "
+                    "where the offload put them: converting it (.to(dtype), .half(), .cpu(), another device, "
+                    "pipe.to(...)) now would leave the offload with tensors it no longer knows. Call remove() "
+                    "on the handle, convert the module, and offload it again"
+                )
+            return sub  # changes nothing: the weights already are what was asked for
+
+        return _apply
+
+    def _refuse_group_offload(self, *args: Any, **kwargs: Any) -> None:
+        raise OffloadStateError(
+            f"{type(self.module).__name__} is already offloaded by ddo_blocks ({self.describe()}); diffusers "
+            "group offloading on top would move the same weights a second time. Call remove() on the handle "
+            "first, or use ddo_blocks.offload(..., route='diffusers') for diffusers' own offloading"
+        )
+
+
+def offload_on_top(module: nn.Module) -> str | None:
+    """Describes an offloading hook installed on ``module`` or a submodule after ours (diffusers group
+    offloading, accelerate's offload hooks), or ``None``. Other wrappers of ``forward`` (a user's
+    profiler, the blocks' execution-device hook) are fine: the engine's entry point still runs
+    inside them. One pass over the modules' attribute dicts (about 0.1 ms for 1000 modules)."""
+    for name, sub in module.named_modules():
+        where = f" on {name}" if name else ""
+        registry = sub.__dict__.get("_diffusers_hook")
+        if registry is not None:
+            hooks = [n for n in _GROUP_HOOKS if registry.get_hook(n) is not None]
+            if hooks:
+                return f"diffusers group offloading{where} (hooks {', '.join(hooks)}; apply_group_offloading)"
+        hook = sub.__dict__.get("_hf_hook")
+        if hook is not None and not getattr(hook, "_ddo_owned", False):
+            return (f"an accelerate hook{where} ({type(hook).__name__}: cpu_offload, enable_model_cpu_offload or "
+                    "enable_sequential_cpu_offload)")
+    return None
