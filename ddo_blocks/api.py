@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
@@ -12,7 +11,7 @@ import psutil
 import torch
 from torch import nn
 
-from . import _native
+from . import _native, env
 from .budget import fmt_bytes, parse_bytes
 from .engine import guards
 from .engine.linear import LinearEngine
@@ -23,6 +22,8 @@ from .report import Report, build_report
 from .units import span_nbytes, split_units, tensor_nbytes
 
 _ATTR = "_ddo_offload"
+_UNUSABLE_ATTR = "_ddo_unusable"
+"""Set on a module that a failed removal left without some of its weights."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -95,13 +96,27 @@ class OffloadHandle:
             raise OffloadStateError(
                 f"the offload of {self.component} was already removed; offload() the module again to reuse it"
             )
-        self.engine.detach()
+        try:
+            self.engine.detach()
+        finally:
+            # An engine whose removal failed part-way says whether the offload is still in place (then
+            # it keeps working and remove() can be retried) or gone (then so is this handle).
+            if not getattr(self.engine, "attached", False):
+                self._forget()
+
+    def _forget(self) -> None:
         self._removed = True
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
         if getattr(self.module, _ATTR, None) is self:
             delattr(self.module, _ATTR)
+        lost = getattr(self.engine, "lost", None)
+        if lost:
+            self.module.__dict__[_UNUSABLE_ATTR] = (
+                f"{len(lost)} of its tensors ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}) could not be "
+                "read back when the NVMe offload was removed (a checkpoint file changed) and are NaN placeholders"
+            )
 
     def __enter__(self) -> Self:
         return self
@@ -196,6 +211,11 @@ def _check_not_offloaded(module: nn.Module) -> None:
     if existing is not None:
         raise OffloadStateError(
             f"{type(module).__name__} is already offloaded ({existing!r}); call .remove() on that handle first"
+        )
+    unusable = module.__dict__.get(_UNUSABLE_ATTR)
+    if unusable is not None:
+        raise OffloadStateError(
+            f"{type(module).__name__} cannot be offloaded: {unusable}. Load the model again"
         )
     owner = guards.owner_of(module)
     if owner is not None:
@@ -332,8 +352,8 @@ class OffloadResult:
     module: nn.Module
     handle: OffloadHandle
 
-    @property
     def report(self) -> Report:
+        """The measured record of this offload, as :meth:`OffloadHandle.report`."""
         return self.handle.report()
 
     def remove(self) -> None:
@@ -352,7 +372,7 @@ def enable_offload(
     """The original DDO's entry point: ``enable_offload(transformer, preset="auto",
     component="transformer").module``. The VRAM budget defaults to ``DDO_VRAM_BUDGET`` if set.
     """
-    budget = vram_budget if vram_budget is not None else os.environ.get("DDO_VRAM_BUDGET")
+    budget = vram_budget if vram_budget is not None else env.size("DDO_VRAM_BUDGET")
     handle = offload(module, route=route, preset=preset, vram_budget=budget,
                      device=device if device is not None else "cuda", component=component)
     return OffloadResult(module=handle.module, handle=handle)

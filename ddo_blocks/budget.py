@@ -46,18 +46,31 @@ def parse_bytes(value: float | str | None, *, what: str = "vram_budget") -> int 
     if isinstance(value, (int, float)):
         if value < 0 or math.isnan(value):
             raise ConfigError(f"{what}={value!r} must be a non-negative number of bytes")
-        return int(value)
+        return _bounded(value, value, what)
     if isinstance(value, str):
         m = _PATTERN.match(value)
         if m:
             unit = m.group(2).lower()
             if unit in _UNITS:
-                return int(float(m.group(1)) * _UNITS[unit])
+                return _bounded(float(m.group(1)) * _UNITS[unit], value, what)
         raise ConfigError(
             f"{what}={value!r} is not a size; use bytes or a number with a unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '6GiB'"
         )
     raise ConfigError(f"{what} must be an int or a string such as '6GiB', got {type(value).__name__}")
+
+
+MAX_BYTES = 2**63 - 1
+"""The largest size accepted: far above any machine, and what every layer below can represent."""
+
+
+def _bounded(n: float, given: object, what: str) -> int:
+    if not math.isfinite(n) or n > MAX_BYTES:
+        raise ConfigError(
+            f"{what}={given!r} is larger than any machine's memory (the limit is 2**63-1 bytes); pass the "
+            "budget in bytes or a size such as '6GiB', or None for no limit"
+        )
+    return int(n)
 
 
 def fmt_bytes(n: float | None) -> str:

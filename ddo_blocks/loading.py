@@ -26,7 +26,14 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+_FILE_DTYPE = {v: k for k, v in _DTYPES.items()}
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
+
+
+def same_kind(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether a tensor stored as ``a`` may be loaded into one of ``b`` (a float stored as another
+    float width is cast, as diffusers does; a float stored as an integer, or the reverse, is not)."""
+    return a.is_floating_point == b.is_floating_point and a.is_complex == b.is_complex
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,12 @@ class Loader:
                 raise CheckpointError(
                     f"{src.path.name}: tensor {hit!r} has shape {list(src.shape)} but the model expects "
                     f"{list(t.shape)}; the checkpoint does not match this model's config"
+                )
+            if not same_kind(src.dtype, t.dtype):
+                raise CheckpointError(
+                    f"{src.path}: tensor {hit!r} is stored as {_FILE_DTYPE[src.dtype]} ({src.dtype}) but the model "
+                    f"expects {t.dtype}; a {'float' if t.dtype.is_floating_point else 'non-float'} tensor cannot be "
+                    "read from a file that stores it otherwise: the file is corrupt or belongs to another model"
                 )
             self.sources[key] = src
         if missing:
@@ -312,7 +325,7 @@ def from_pretrained(
     if dtype is None:  # no dtype anywhere: take the file's, per tensor
         for name, p in model.named_parameters():
             src = checkpoint.tensors.get(name)
-            if src is not None and p.is_floating_point():
+            if src is not None and p.is_floating_point() and same_kind(src.dtype, p.dtype):
                 p.data = p.data.to(src.dtype)
     unmeta(model)
     loader = Loader(model, checkpoint, progress=progress)

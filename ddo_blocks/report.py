@@ -110,7 +110,7 @@ class Report:
             ax_time.set_xlabel("seconds")
             ax_time.legend(loc="upper right", fontsize="small")
         else:
-            runtime = {k: v for k, v in d.get("runtime", {}).items() if k.endswith("_s") and v is not None}
+            runtime = {k: v for k, v in d.get("runtime", {}).items() if is_seconds(k) and v is not None}
             setup = d.get("setup", {}).get("seconds")
             if setup is not None:
                 runtime = {"setup_s": setup, **runtime}
@@ -125,6 +125,11 @@ class Report:
         ax_mem.set_title("memory")
         fig.tight_layout()
         return fig
+
+
+def is_seconds(key: str) -> bool:
+    """Whether a report field holds seconds (``*_s``, not a rate such as ``h2d_gb_s``)."""
+    return key.endswith("_s") and not key.endswith("_gb_s")
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -146,6 +151,44 @@ def _fmt(key: str, value: Any) -> str:
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+def roofline_bound(engine: Any, calibrated: dict[str, Any] | None, fastest: float | None,
+                   calls: list[Any]) -> dict[str, Any]:
+    """The roofline ``max(compute, streamed bytes / link, disk bytes / disk)``, built only from
+    figures that no call can beat, so ``efficiency = bound / median call <= 1`` by construction:
+
+    - compute: measured on the calibration call (its time less the time it waited for copies), but
+      at most the fastest call's time: every call does all the compute, so a calibration call that
+      carried one-off costs (first use of a kernel or an allocation) cannot set a compute time that
+      a later call beats (``compute_capped`` says when it did);
+    - link: the probe's bandwidth, or the rate a call actually moved its bytes at if that was faster
+      (a probe that underestimates the link cannot make the transfer term exceed a call);
+    - disk (NVMe route): the disk bytes per call at the disk's measured rate, or at the rate a call
+      read them if that was faster.
+    """
+    link = engine.link_bytes_per_s
+    if fastest and calls and calls[-1].h2d_bytes:
+        link = max(link, calls[-1].h2d_bytes / fastest)
+    transfer = engine.streamed_bytes / link if link else None
+    fields: dict[str, Any] = {"link_gb_s": link / 1e9, "transfer_bound_s": transfer}
+    disk = None
+    disk_rate = getattr(engine, "disk_bytes_per_s", None)  # the nvme route: bytes read from disk per call
+    if disk_rate:
+        if fastest and engine.disk_bytes:
+            disk_rate = max(disk_rate, engine.disk_bytes / fastest)
+        disk = engine.disk_bytes / disk_rate
+        fields.update(disk_gb_s=disk_rate / 1e9, disk_bound_s=disk)
+    measured = calibrated["compute_s"] if calibrated else None
+    compute = min(measured, fastest) if measured is not None and fastest else measured
+    bound = max(compute, transfer or 0.0, disk or 0.0) if compute is not None else None
+    return {
+        **fields,
+        "calibrated_compute_s": measured,
+        "compute_s": compute,
+        "compute_capped": measured is not None and compute is not None and compute < measured,
+        "bound_s": bound,
+    }
 
 
 def build_report(handle: OffloadHandle) -> Report:
@@ -201,6 +244,7 @@ def build_report(handle: OffloadHandle) -> Report:
         steady = secs[1:] if len(secs) > 1 else secs
         fetches, total_bytes, host_wait = engine.transport_stats()
         median = _median(steady)
+        fastest = min(steady) if steady else None
         last_bytes = calls[-1].h2d_bytes if calls else None
         runtime.update(
             calls=len(calls),
@@ -215,20 +259,14 @@ def build_report(handle: OffloadHandle) -> Report:
             order_changes=engine.stats.order_changes,
             host_wait_s=host_wait,
         )
-        link = engine.link_bytes_per_s
-        bound = engine.streamed_bytes / link if link else None
-        disk_bound = getattr(engine, "disk_bound_s", None)  # the nvme route: bytes read from disk per call
-        compute = calibrated["compute_s"] if calibrated else None
-        roof = max(compute, bound or 0.0, disk_bound or 0.0) if compute is not None else None
+        roof_fields = roofline_bound(engine, calibrated, fastest, calls)
+        roof = roof_fields["bound_s"]
         runtime.update(
             calibrated_predicted_step_s=calibrated["predicted_step_s"] if calibrated else None,
             compute_wait_s=calibrated["measured_wait_s"] if calibrated else None,
         )
         roofline.update(
-            link_gb_s=link / 1e9,
-            transfer_bound_s=bound,
-            compute_s=compute,
-            bound_s=roof,
+            **roof_fields,
             efficiency=(roof / median) if roof and median else None,
         )
     elif hasattr(engine, "gpu_bytes"):

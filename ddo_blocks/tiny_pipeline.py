@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import env
 from .tiny import TINY_AUTOENCODER_KL, TINY_FLUX_TRANSFORMER, _seeded
 
 FAMILIES = ("flux", "sd3", "wan")
@@ -151,7 +152,7 @@ _PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "w
 
 def default_cache_dir() -> Path:
     """``$DDO_CACHE_DIR`` if set, else ``.ddo_cache/`` in the current directory (git-ignored)."""
-    return Path(os.environ.get("DDO_CACHE_DIR", ".ddo_cache"))
+    return Path(env.raw("DDO_CACHE_DIR") or ".ddo_cache")
 
 
 def save_model_dir(components: dict[str, Any], path: str | os.PathLike, family: str) -> Path:

@@ -276,7 +276,7 @@ def test_enable_offload_is_shaped_like_the_original(flux):
     assert result.handle.preset.name in ("one_shot_fast", "low_ram_safe", "wsl_compat")
     with torch.no_grad():
         assert torch.equal(result.module(**x)[0], ref)
-    assert result.report["component"] == "transformer"
+    assert result.report()["component"] == "transformer"
     result.remove()
 
 

@@ -143,7 +143,7 @@ def _copy(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("change", ["replaced", "truncated", "touched"])
+@pytest.mark.parametrize("change", ["replaced", "truncated", "touched", "deleted"])
 def test_changed_file_is_a_checkpoint_error(saved, tmp_path, change):
     root, model, x, ref = saved
     d = _copy(root / "single", tmp_path / "m")
@@ -161,18 +161,25 @@ def test_changed_file_is_a_checkpoint_error(saved, tmp_path, change):
     elif change == "truncated":
         with open(f, "r+b") as fh:
             fh.truncate(len(data) - 1000)
+    elif change == "deleted":
+        f.unlink()
     else:
         st = f.stat()
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    what = "No such file" if change == "deleted" else "changed on disk"
     for _ in range(2):  # every call checks, not only the first after the change
-        with pytest.raises(ddo_blocks.CheckpointError, match=r"route='nvme'.*changed on disk.*load the model again"), \
+        with pytest.raises(ddo_blocks.CheckpointError, match=rf"route='nvme'.*{what}.*load the model again"), \
                 torch.no_grad():
             handle.module(**x)
     # the weights cannot be restored from a changed file: removal says so and leaves placeholders
-    with pytest.raises(ddo_blocks.CheckpointError, match="could not be restored"):
+    with pytest.raises(ddo_blocks.CheckpointError, match="was removed, but .* could not be restored"):
         handle.remove()
-    handle.remove()  # the second call finishes the removal
-    assert handle.removed
+    # ... and state agrees with the message: removed, and the module cannot pass for a loaded one
+    assert handle.removed and ddo_blocks.get_handle(handle.module) is None
+    with pytest.raises(ddo_blocks.OffloadStateError, match="already removed"):
+        handle.remove()
+    with pytest.raises(ddo_blocks.OffloadStateError, match="could not be read back.*Load the model again"):
+        ddo_blocks.offload(handle.module, device="cpu")
 
 
 def test_out_of_memory_during_remove_keeps_the_offload_working(saved, monkeypatch):

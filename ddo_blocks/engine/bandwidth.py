@@ -11,15 +11,17 @@ import time
 
 import torch
 
+from .. import env
+
 _CACHE: dict[str, float] = {}
 _PROBE_BYTES = 256 << 20
 
 
 def link_bytes_per_s(device: torch.device) -> float:
     """Host-to-device bandwidth of page-locked copies (CUDA), or memcpy bandwidth (CPU), in B/s."""
-    env = os.environ.get("DDO_LINK_GBPS")
-    if env:
-        return float(env) * 1e9
+    override = env.gbps("DDO_LINK_GBPS")
+    if override is not None:
+        return override
     key = str(device)
     if key not in _CACHE:
         _CACHE[key] = _measure_cuda(device) if device.type == "cuda" else _measure_cpu()
@@ -74,9 +76,9 @@ def disk_bytes_per_s(path: str | os.PathLike, threads: int = 8) -> tuple[float, 
     be served from the page cache and the figure overstates the disk; the description says so.
     Measured once per file and process.
     """
-    env = os.environ.get("DDO_DISK_GBPS")
-    if env:
-        return float(env) * 1e9, f"DDO_DISK_GBPS={env}"
+    override = env.gbps("DDO_DISK_GBPS")
+    if override is not None:
+        return override, f"DDO_DISK_GBPS={env.raw('DDO_DISK_GBPS')}"
     key = os.fspath(path)
     if key not in _DISK:
         from .. import _native

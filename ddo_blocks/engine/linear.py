@@ -328,8 +328,15 @@ class LinearEngine:
         finally:
             self._lock.release()
 
+    @property
+    def attached(self) -> bool:
+        """Whether the offload is in place (hooks installed, weights where the engine put them)."""
+        return self._attached
+
     def _rollback(self) -> None:
-        """Undoes whatever part of the attach happened. Safe on a partial attach."""
+        """Undoes whatever part of the attach happened. Safe on a partial attach. From its first
+        step on the offload is gone (``attached`` is False), even if a later step raises."""
+        was_attached, self._attached = self._attached, False
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -357,7 +364,7 @@ class LinearEngine:
         self.slot_storage = None
         self._inflight.clear()
         if self.slabs is not None:
-            self.slabs.release(self._orig_device, keep_warm=self.preset.keep_warm and self._attached)
+            self.slabs.release(self._orig_device, keep_warm=self.preset.keep_warm and was_attached)
             self.slabs = None
         for _, p in self.module.named_parameters():
             dev = self._orig_device.get(id(p))

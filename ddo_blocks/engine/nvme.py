@@ -85,6 +85,8 @@ class NvmeEngine(LinearEngine):
         self.disk_call_bytes: list[int] = []
         self._disk_bytes0 = 0
         self._final_disk_stats = (0, 0)
+        self.lost: list[str] = []
+        """Parameters that remove() could not read back (their file changed): left as NaN placeholders."""
         if not self.streamed:
             return
         self.disk_bytes_per_s, self.disk_probe = bandwidth.disk_bytes_per_s(
@@ -242,8 +244,10 @@ class NvmeEngine(LinearEngine):
                     p.data = t  # the linear rollback then moves it to its original device
             except CheckpointError as exc:
                 error = exc
+                names = {id(p): n for n, p in self.module.named_parameters()}
                 for p, _ in disk:
                     self._orig_device.pop(id(p), None)  # stays a NaN placeholder: unusable rather than wrong
+                    self.lost.append(names.get(id(p), "?"))
             except BaseException as exc:
                 # nothing is detached yet: the offload stays in place and working, remove() can be retried
                 self._disk_params = disk
@@ -329,9 +333,5 @@ class NvmeEngine(LinearEngine):
                 "file_fetches": stats[0],
                 "disk_total_bytes": stats[1],
                 "disk_call_bytes": last,
-            },
-            "roofline": {
-                "disk_gb_s": self.disk_bytes_per_s / 1e9 if self.disk_bytes_per_s else None,
-                "disk_bound_s": self.disk_bound_s,
             },
         }

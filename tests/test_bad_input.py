@@ -1,0 +1,138 @@
+"""Bad input gets a clear DdoError naming what was wrong and what would work, and reports never
+claim the impossible."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ddo_blocks
+from ddo_blocks import ConfigError
+
+
+# -- sizes ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [2**64, 2**63, 1e99, float("inf"), "1e99", "99999999999TiB"])
+def test_budgets_beyond_any_machine_are_config_errors(flux, budget):
+    with pytest.raises(ConfigError, match="vram_budget=.*(larger than any machine|is not a size)"):
+        ddo_blocks.offload(flux, vram_budget=budget, device="cpu")
+    assert ddo_blocks.get_handle(flux) is None
+
+
+def test_largest_budget_is_accepted(flux):
+    ddo_blocks.offload(flux, vram_budget=2**63 - 1, device="cpu").remove()
+
+
+# -- environment variables ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["DDO_LINK_GBPS", "DDO_DISK_GBPS"])
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "nan", "inf"])
+def test_bandwidth_variables_name_themselves(monkeypatch, name, value):
+    from ddo_blocks import env
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=rf"environment variable {name}='{value}' is not a bandwidth.*positive number"):
+        env.gbps(name)
+
+
+def test_link_variable_reaches_offload_as_a_config_error(monkeypatch, flux):
+    monkeypatch.setenv("DDO_LINK_GBPS", "abc")
+    with pytest.raises(ConfigError, match="DDO_LINK_GBPS='abc'"):
+        ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu")
+    monkeypatch.setenv("DDO_LINK_GBPS", "12.5")
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu")
+    assert handle.engine.link_bytes_per_s == 12.5e9
+    handle.remove()
+
+
+def test_vram_budget_variable(monkeypatch, flux):
+    monkeypatch.setenv("DDO_VRAM_BUDGET", "abc")
+    with pytest.raises(ConfigError, match="environment variable DDO_VRAM_BUDGET='abc' is not a size"):
+        ddo_blocks.enable_offload(flux, device="cpu")
+    monkeypatch.setenv("DDO_VRAM_BUDGET", str(ddo_blocks.minimum_budget(flux)))
+    result = ddo_blocks.enable_offload(flux, device="cpu")
+    assert result.handle.vram_budget == ddo_blocks.minimum_budget(flux)
+    assert result.report()["component"] == "transformer"  # one way to ask, as on the handle
+    result.remove()
+
+
+def test_every_variable_is_documented():
+    from pathlib import Path
+
+    from ddo_blocks import env
+
+    doc = (Path(__file__).parents[1] / "docs" / "environment.md").read_text()
+    for name in env.VARIABLES:
+        assert f"`{name}`" in doc, name
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def test_float_tensor_stored_as_integer_is_a_checkpoint_error(flux_checkpoints, tmp_path):
+    import shutil
+
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import load_file, save_file
+
+    root = flux_checkpoints[0]
+    d = tmp_path / "m"
+    shutil.copytree(root / "single", d)
+    f = d / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(f)
+    name = "proj_out.weight"
+    stored = tensors[name].float()  # 32 bits, then stored as "I32": same width, another kind
+    tensors[name] = stored.view(torch.int32)
+    save_file(tensors, f, metadata={"format": "pt"})
+    for dtype in (None, torch.float32):
+        with pytest.raises(ddo_blocks.CheckpointError,
+                           match=rf"{f}: tensor '{name}' is stored as I32 \(torch.int32\) but the model expects"):
+            ddo_blocks.from_pretrained(FluxTransformer2DModel, d, device="cpu", progress=False, dtype=dtype)
+
+
+# -- reports --------------------------------------------------------------------------------------
+class _Deep(nn.Module):
+    """60 blocks: the shape of a large transformer, small enough for the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128))
+                                    for _ in range(60))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.6, 0.95])
+def test_efficiency_never_exceeds_one(fraction):
+    model = _Deep().eval()
+    x = torch.randn(64, 128)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    handle = ddo_blocks.offload(model, vram_budget=int(total * fraction), device="cpu")
+    with torch.no_grad():
+        for _ in range(6):
+            model(x)
+    roof = handle.report()["roofline"]
+    calls = [c.seconds for c in handle.engine.call_records()][1:]
+    assert roof["calibrated_compute_s"] is not None and roof["bound_s"] is not None
+    assert roof["compute_s"] <= min(calls) and roof["transfer_bound_s"] <= min(calls)
+    assert roof["compute_capped"] == (roof["compute_s"] < roof["calibrated_compute_s"])
+    assert 0 < roof["efficiency"] <= 1.0
+    handle.remove()
+
+
+def test_plot_draws_only_seconds_on_the_time_axis():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from ddo_blocks.report import Report, is_seconds
+
+    assert is_seconds("median_call_s") and not is_seconds("h2d_gb_s") and not is_seconds("disk_gb_s")
+    report = Report({"component": "t", "route": "linear", "preset": "p", "device": "cpu",
+                     "setup": {"seconds": 0.5},
+                     "runtime": {"median_call_s": 0.25, "h2d_gb_s": 40.0, "first_call_s": None}})
+    fig = report.plot()
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["setup_s", "median_call_s"]
+    assert not math.isclose(fig.axes[0].get_xlim()[1], 40.0)
