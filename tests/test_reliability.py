@@ -207,3 +207,29 @@ def test_a_module_on_the_meta_device_is_a_config_error():
     with pytest.raises(ddo_blocks.ConfigError, match="meta device.*never loaded.*from_pretrained"):
         ddo_blocks.offload(model, vram_budget="1MiB", device="cpu")
     assert ddo_blocks.get_handle(model) is None
+
+
+# -- alignment ------------------------------------------------------------------------------------
+def test_every_view_the_engine_binds_is_aligned_as_pytorch_allocates(flux, flux_checkpoints):
+    """CPU kernels may take another path for a tensor at an address PyTorch's allocator would not
+    give (64 bytes): every slab and slot view a parameter is pointed at sits on at least that, so
+    torch.equal with the resident run holds by construction, on any CPU."""
+    from diffusers import FluxTransformer2DModel
+
+    from ddo_blocks.engine.slabs import ALIGN
+
+    assert ALIGN % 64 == 0
+    root, model, _, _ = flux_checkpoints
+    handles = [
+        ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu"),
+        ddo_blocks.from_pretrained(FluxTransformer2DModel, root / "single", route="nvme", ram_budget="64KiB",
+                                   vram_budget=ddo_blocks.minimum_budget(model, units="block"), device="cpu",
+                                   progress=False, units="block"),
+    ]
+    for handle in handles:
+        engine = handle.engine
+        views = [v for unit in engine.slot_views for slot in unit for v in slot]
+        views += [v for unit in (engine.slabs.host_views if engine.slabs else []) for v in unit]
+        assert views and not [v.data_ptr() for v in views if v.data_ptr() % 64]
+        handle.remove()
+        assert not [n for n, p in handle.module.named_parameters() if p.data_ptr() % 64]
