@@ -1,4 +1,8 @@
 //! The Python exception hierarchy, declared here and mapped once from each crate's error enum.
+//!
+//! The classes are created as `ddo_blocks.X` (not `_native.X`): that is the name tracebacks show and
+//! the one pickle looks up, and `ddo_blocks` re-exports every class, so an error raised in a worker
+//! process pickles back to the same class with its message.
 
 use ddo_core::CoreError;
 use ddo_cuda::CudaError as RawCudaError;
@@ -7,49 +11,54 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 create_exception!(
-    _native,
+    ddo_blocks,
     DdoError,
     PyException,
     "Base class of every ddo_blocks error."
 );
 create_exception!(
-    _native,
+    ddo_blocks,
     ConfigError,
     DdoError,
     "An unknown route, preset, option or a malformed value."
 );
 create_exception!(
-    _native,
+    ddo_blocks,
     PlanError,
     DdoError,
     "The planner cannot place the component as asked."
 );
 create_exception!(
-    _native,
+    ddo_blocks,
     BudgetError,
     PlanError,
     "The VRAM (or RAM) budget cannot hold what the route needs."
 );
-create_exception!(_native, CudaError, DdoError, "A CUDA driver call failed.");
 create_exception!(
-    _native,
+    ddo_blocks,
+    CudaError,
+    DdoError,
+    "A CUDA driver call failed."
+);
+create_exception!(
+    ddo_blocks,
     CudaNotAvailableError,
     CudaError,
     "No usable CUDA driver or device."
 );
 create_exception!(
-    _native,
+    ddo_blocks,
     OffloadMemoryError,
     CudaError,
     "Out of GPU or page-locked host memory during setup."
 );
 create_exception!(
-    _native,
+    ddo_blocks,
     CheckpointError,
     DdoError,
     "A safetensors file or index is missing, truncated, corrupt or does not match the model."
 );
-create_exception!(_native, OffloadStateError, DdoError, "An operation that the offload's current state does not allow (offloading twice, removing twice).");
+create_exception!(ddo_blocks, OffloadStateError, DdoError, "An operation that the offload's current state does not allow (offloading twice, removing twice).");
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
