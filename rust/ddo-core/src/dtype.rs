@@ -2,8 +2,28 @@
 
 /// Every dtype name this crate accepts, as spelled in safetensors headers.
 pub const KNOWN_DTYPES: &[&str] = &[
-    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "I16", "U16",
-    "F16", "BF16", "I32", "U32", "F32", "C64", "I64", "U64", "F64",
+    "BOOL",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "U8",
+    "I8",
+    "F8_E4M3",
+    "F8_E5M2",
+    "F8_E8M0",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "C64",
+    "I64",
+    "U64",
+    "F64",
 ];
 
 /// Size of one element in **bits**, for every dtype including sub-byte ones
@@ -12,7 +32,8 @@ pub fn dtype_bits(dtype: &str) -> Option<usize> {
     Some(match dtype {
         "F4" => 4,
         "F6_E2M3" | "F6_E3M2" => 6,
-        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0" => 8,
+        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0" | "F8_E4M3FNUZ"
+        | "F8_E5M2FNUZ" => 8,
         "I16" | "U16" | "F16" | "BF16" => 16,
         "I32" | "U32" | "F32" => 32,
         "I64" | "U64" | "F64" | "C64" => 64,
@@ -40,6 +61,8 @@ mod tests {
         assert_eq!(dtype_size("F8_E4M3"), Some(1));
         assert_eq!(dtype_size("F8_E5M2"), Some(1));
         assert_eq!(dtype_size("F8_E8M0"), Some(1));
+        assert_eq!(dtype_size("F8_E4M3FNUZ"), Some(1));
+        assert_eq!(dtype_size("F8_E5M2FNUZ"), Some(1));
         assert_eq!(dtype_size("BF16"), Some(2));
         assert_eq!(dtype_size("F16"), Some(2));
         assert_eq!(dtype_size("U16"), Some(2));

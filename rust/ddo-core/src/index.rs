@@ -7,7 +7,12 @@
 //!
 //! Everything is checked up front so later code can slice the mapping without
 //! further checks: every error names the file, the tensor, and what was
-//! expected versus found.
+//! expected versus found. What is accepted is what the reference implementation
+//! (the `safetensors` crate's `SafeTensors::read_metadata`) accepts: the
+//! tensors, sorted by offsets, cover the data section back to back from byte 0
+//! to the end of the file, each exactly as large as its dtype and shape say.
+//! A key repeated in one JSON object is refused too (the reference keeps the
+//! last of two tensors of one name; here neither is trusted).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -84,8 +89,7 @@ pub fn parse_header(path: &str, bytes: &[u8]) -> Result<Header> {
         .ok_or_else(|| err("header range out of bounds".into()))?;
     let text =
         std::str::from_utf8(json).map_err(|e| err(format!("header is not valid UTF-8 ({e})")))?;
-    let value: Value =
-        serde_json::from_str(text).map_err(|e| err(format!("header is not valid JSON ({e})")))?;
+    let value = parse_json(text).map_err(err)?;
     let Value::Object(map) = value else {
         return Err(err(format!(
             "header must be a JSON object mapping tensor names to {{dtype, shape, data_offsets}}, \
@@ -99,6 +103,140 @@ pub fn parse_header(path: &str, bytes: &[u8]) -> Result<Header> {
 
 fn too_short(file_len: u64) -> String {
     format!("file is {file_len} bytes, shorter than the 8-byte header length prefix")
+}
+
+/// Parses the header's JSON, refusing a key that appears twice in one object.
+///
+/// `serde_json` would keep the last of two entries of the same name, so a file whose header lists
+/// a tensor twice would be read as whatever its second entry says while another reader may take
+/// the first. The reference implementation refuses a repeated `__metadata__` or entry field and
+/// keeps the last repeated tensor; here every repeated key is an error naming it.
+fn parse_json(text: &str) -> std::result::Result<Value, String> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let value = Strict { ctx: Ctx::Top }
+        .deserialize(&mut de)
+        .and_then(|v| de.end().map(|()| v));
+    value.map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => format!("header is malformed: {e}"),
+        _ => format!("header is not valid JSON ({e})"),
+    })
+}
+
+/// Where an object sits in the header, for naming a repeated key.
+#[derive(Clone, Copy)]
+enum Ctx<'a> {
+    /// The header itself: keys are tensor names (and `__metadata__`).
+    Top,
+    /// The entry of tensor (or `__metadata__`) `.0`: keys are its fields.
+    Entry(&'a str),
+    /// Deeper inside the entry of `.0`.
+    Inner(&'a str),
+}
+
+impl Ctx<'_> {
+    fn repeated(self, key: &str) -> String {
+        match self {
+            Ctx::Top if key == "__metadata__" => {
+                "the header has two \"__metadata__\" entries".to_string()
+            }
+            Ctx::Top => format!(
+                "tensor '{key}' is listed twice in the header (a JSON parser would silently keep \
+                 one of the entries)"
+            ),
+            Ctx::Entry("__metadata__") => format!("__metadata__: key '{key}' appears twice"),
+            Ctx::Entry(name) => format!("tensor '{name}': field \"{key}\" appears twice"),
+            Ctx::Inner(name) => {
+                format!("tensor '{name}': key \"{key}\" appears twice in its entry")
+            }
+        }
+    }
+}
+
+/// A `serde_json::Value` whose objects have no repeated keys.
+struct Strict<'a> {
+    ctx: Ctx<'a>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Strict<'_> {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> std::result::Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Strict<'_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> std::result::Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> std::result::Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> std::result::Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+
+    fn visit_string<E>(self, v: String) -> std::result::Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+        self,
+        mut seq: A,
+    ) -> std::result::Result<Value, A::Error> {
+        let inner = match self.ctx {
+            Ctx::Top => Ctx::Inner(""),
+            Ctx::Entry(name) | Ctx::Inner(name) => Ctx::Inner(name),
+        };
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(Strict { ctx: inner })? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if out.contains_key(&key) {
+                return Err(serde::de::Error::custom(self.ctx.repeated(&key)));
+            }
+            let ctx = match self.ctx {
+                Ctx::Top => Ctx::Entry(&key),
+                Ctx::Entry(name) | Ctx::Inner(name) => Ctx::Inner(name),
+            };
+            let value = map.next_value_seed(Strict { ctx })?;
+            out.insert(key, value);
+        }
+        Ok(Value::Object(out))
+    }
 }
 
 /// A tensor entry with offsets still relative to the data section.
@@ -119,50 +257,64 @@ fn build_header(
     let mut entries = Vec::with_capacity(map.len());
     for (name, value) in map {
         if name == "__metadata__" {
-            metadata = Some(parse_metadata(&value)?);
+            // `null` is no metadata, as in the reference implementation.
+            metadata = (!value.is_null())
+                .then(|| parse_metadata(&value))
+                .transpose()?;
         } else {
             entries.push(parse_entry(name, &value)?);
         }
     }
 
-    // Data section size must match the tensors exactly.
-    let last = entries
-        .iter()
-        .max_by_key(|e| (e.end, std::cmp::Reverse(&e.name)));
-    let data_end = last.map_or(0, |e| e.end);
-    if data_end > data_len {
-        let name = last.map_or("", |e| e.name.as_str());
+    // As the reference implementation: sorted by offsets, the tensors tile the data section from
+    // byte 0 without holes or overlaps (an empty tensor sits where the previous one ends), and the
+    // last one ends where the file ends.
+    entries.sort_by(|a, b| (a.begin, a.end, &a.name).cmp(&(b.begin, b.end, &b.name)));
+    let mut end = 0u64;
+    let mut prev: Option<&Entry> = None;
+    for e in &entries {
+        if e.begin != end {
+            return Err(match prev {
+                Some(p) if e.begin < end => format!(
+                    "tensors '{}' (data_offsets [{}, {}]) and '{}' (data_offsets [{}, {}]) overlap",
+                    p.name, p.begin, p.end, e.name, e.begin, e.end
+                ),
+                Some(p) => format!(
+                    "tensor '{}' (data_offsets [{}, {}]) starts at byte {} of the data section but \
+                     the tensor before it, '{}', ends at byte {end}: bytes {end}..{} belong to no \
+                     tensor (safetensors files hold their tensors back to back)",
+                    e.name, e.begin, e.end, e.begin, p.name, e.begin
+                ),
+                None => format!(
+                    "the first tensor, '{}' (data_offsets [{}, {}]), starts at byte {} of the data \
+                     section: bytes 0..{} belong to no tensor (safetensors files hold their tensors \
+                     back to back from byte 0)",
+                    e.name, e.begin, e.end, e.begin, e.begin
+                ),
+            });
+        }
+        end = e.end;
+        prev = Some(e);
+    }
+    if end > data_len {
+        let name = prev.map_or("", |e| e.name.as_str());
         return Err(format!(
-            "file is truncated: header promises {data_end} bytes of tensor data (tensor '{name}' \
-             ends at byte {data_end} of the data section), file holds {data_len}"
+            "file is truncated: header promises {end} bytes of tensor data (tensor '{name}' ends \
+             at byte {end} of the data section), file holds {data_len}"
         ));
     }
-    if data_end < data_len {
-        return Err(match last {
+    if end < data_len {
+        return Err(match prev {
             Some(e) => format!(
                 "data section holds {data_len} bytes but the last tensor ('{}') ends at byte \
-                 {data_end}: {} unexpected trailing bytes",
+                 {end}: {} unexpected trailing bytes",
                 e.name,
-                data_len - data_end
+                data_len - end
             ),
             None => {
                 format!("header declares no tensors but the data section holds {data_len} bytes")
             }
         });
-    }
-
-    entries.sort_by(|a, b| (a.begin, a.end, &a.name).cmp(&(b.begin, b.end, &b.name)));
-    let mut prev: Option<&Entry> = None;
-    for e in entries.iter().filter(|e| e.end > e.begin) {
-        if let Some(p) = prev {
-            if e.begin < p.end {
-                return Err(format!(
-                    "tensors '{}' (data_offsets [{}, {}]) and '{}' (data_offsets [{}, {}]) overlap",
-                    p.name, p.begin, p.end, e.name, e.begin, e.end
-                ));
-            }
-        }
-        prev = Some(e);
     }
 
     let tensors = entries

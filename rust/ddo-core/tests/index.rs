@@ -310,10 +310,20 @@ fn overlapping_tensors() {
         msg.contains("tensors 'a' (data_offsets [0, 4]) and 'b' (data_offsets [2, 6]) overlap"),
         "{msg}"
     );
-    // A zero-size tensor inside another one's range is fine.
+    // A zero-size tensor inside another one's range is refused, as by the reference.
     let header = json!({
         "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
         "z": {"dtype": "U8", "shape": [0], "data_offsets": [2, 2]},
+    });
+    let msg = open_err(&build(&header, &[0; 4]));
+    assert!(
+        msg.contains("tensors 'a' (data_offsets [0, 4]) and 'z' (data_offsets [2, 2]) overlap"),
+        "{msg}"
+    );
+    // Where the previous tensor ends, it is fine.
+    let header = json!({
+        "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "z": {"dtype": "U8", "shape": [0], "data_offsets": [4, 4]},
     });
     assert_eq!(
         SafetensorsIndex::from_bytes("x", &build(&header, &[0; 4]))
@@ -324,13 +334,76 @@ fn overlapping_tensors() {
 }
 
 #[test]
-fn gap_between_tensors_is_allowed() {
+fn gap_between_tensors_is_refused() {
     let header = json!({
         "a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
         "b": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]},
     });
-    let t = SafetensorsIndex::from_bytes("x", &build(&header, &[0; 6])).unwrap();
-    assert_eq!(t[1].offset - t[0].offset, 4);
+    let msg = open_err(&build(&header, &[0; 6]));
+    assert!(
+        msg.contains(
+            "tensor 'b' (data_offsets [4, 6]) starts at byte 4 of the data section but the tensor \
+             before it, 'a', ends at byte 2: bytes 2..4 belong to no tensor"
+        ),
+        "{msg}"
+    );
+    let header = json!({"b": {"dtype": "U8", "shape": [2], "data_offsets": [3, 5]}});
+    let msg = open_err(&build(&header, &[0; 5]));
+    assert!(
+        msg.contains("the first tensor, 'b' (data_offsets [3, 5]), starts at byte 3")
+            && msg.contains("bytes 0..3 belong to no tensor"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn repeated_keys_are_refused_and_named() {
+    let t = r#"{"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}"#;
+    let cases = [
+        (
+            format!(r#"{{"a": {t}, "a": {t}}}"#),
+            "tensor 'a' is listed twice in the header",
+        ),
+        // the same name, spelled with an escape
+        (
+            format!(r#"{{"a": {t}, "\u0061": {t}}}"#),
+            "tensor 'a' is listed twice in the header",
+        ),
+        (
+            format!(r#"{{"__metadata__": {{}}, "__metadata__": {{}}, "a": {t}}}"#),
+            "the header has two \"__metadata__\" entries",
+        ),
+        (
+            format!(r#"{{"__metadata__": {{"k": "1", "k": "2"}}, "a": {t}}}"#),
+            "__metadata__: key 'k' appears twice",
+        ),
+        (
+            r#"{"a": {"dtype": "U8", "dtype": "I8", "shape": [2], "data_offsets": [0, 2]}}"#
+                .to_string(),
+            "tensor 'a': field \"dtype\" appears twice",
+        ),
+        (
+            r#"{"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2], "x": {"y": 1, "y": 2}}}"#
+                .to_string(),
+            "tensor 'a': key \"y\" appears twice in its entry",
+        ),
+    ];
+    for (header, want) in cases {
+        let msg = open_err(&build_raw(header.as_bytes(), &[0; 2]));
+        assert!(msg.contains(want), "want {want:?} in {msg}");
+        assert!(msg.contains("header is malformed"), "{msg}");
+    }
+}
+
+#[test]
+fn null_metadata_is_none_as_in_the_reference() {
+    let bytes = build(
+        &json!({"__metadata__": null, "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}),
+        &[7],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let idx = SafetensorsIndex::open(write(&dir, "m.safetensors", &bytes)).unwrap();
+    assert!(idx.metadata().is_none());
 }
 
 #[test]
