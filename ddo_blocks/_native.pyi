@@ -47,7 +47,7 @@ class HostRegistration:
     def close(self) -> None: ...
 
 class SafetensorsIndex:
-    """A validated safetensors file, memory-mapped read-only."""
+    """A validated safetensors file: its header (read, never memory-mapped) and the file kept open."""
 
     def __init__(self, path: str | PathLike[str]) -> None: ...
     def tensors(self) -> list[tuple[str, str, list[int], int, int]]:
@@ -57,8 +57,11 @@ class SafetensorsIndex:
     def path(self) -> Path: ...
     @property
     def file_len(self) -> int: ...
-    def check_unchanged(self) -> None: ...
-    def read_into(self, name: str, dst: int) -> int: ...
+    def check_unchanged(self) -> None:
+        """CheckpointError if the path now names another file (renamed over it) or the file was
+        modified (size, modification time, or status-change time: a rewrite with the mtime restored)."""
+    def read_into(self, name: str, dst: int) -> int:
+        """Positional read of tensor ``name`` from the validated file into ``dst``; its byte count."""
 
 class Transport:
     """K slots on ``device`` ("cpu" or "cuda") and the ordered copies that fill them."""

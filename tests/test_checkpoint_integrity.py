@@ -6,8 +6,10 @@ even with the modification time restored; it keeps no memory map of the file."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
+import time
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from safetensors.torch import save_file
 
 import ddo_blocks
 from ddo_blocks import _native
+
+from .helpers import budgets
 
 FUZZ_SEED = 20240613
 FUZZ_MUTANTS = 600
@@ -209,3 +213,109 @@ def test_a_tensor_listed_twice_is_refused_and_named(tmp_path):
     path.write_bytes(_join([("w", {**entry, "shape": [1], "data_offsets": [0, 1]}), ("w", entry)], b"\1\2"))
     with pytest.raises(ddo_blocks.CheckpointError, match=r"twice\.safetensors.*tensor 'w' is listed twice"):
         _native.SafetensorsIndex(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# a file changed behind the index's back
+# ---------------------------------------------------------------------------------------------
+def _write_checkpoint(path, fill: float = 1.0) -> None:
+    save_file({"w": torch.full((64,), fill), "b": torch.arange(8, dtype=torch.int64)}, str(path))
+
+
+def _restore_mtime(path, st: os.stat_result) -> None:
+    """Sets the modification time back to ``st``'s until the status-change time differs from it
+    (file timestamps move with the kernel's coarse clock: a few milliseconds)."""
+    for _ in range(200):
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        if os.stat(path).st_ctime_ns != st.st_ctime_ns:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the status-change time of {path} never moved")
+
+
+def test_same_size_rewrite_with_the_mtime_restored_is_detected(tmp_path):
+    path = tmp_path / "model.safetensors"
+    _write_checkpoint(path)
+    idx = _native.SafetensorsIndex(path)
+    st = os.stat(path)
+    data = path.read_bytes()
+    with open(path, "r+b") as f:  # in place, as cp -p or rsync --inplace would: same inode, same size
+        f.write(data[:-8] + struct.pack("<q", 12345))
+    _restore_mtime(path, st)
+    now = os.stat(path)
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    with pytest.raises(ddo_blocks.CheckpointError,
+                       match=r"model\.safetensors.*changed on disk.*status-change time.*rewritten in place"):
+        idx.check_unchanged()
+
+
+def test_same_size_file_renamed_over_the_path_is_detected(tmp_path):
+    path = tmp_path / "model.safetensors"
+    _write_checkpoint(path)
+    idx = _native.SafetensorsIndex(path)
+    st = os.stat(path)
+    other = tmp_path / "download.tmp"
+    _write_checkpoint(other, fill=2.0)
+    assert other.stat().st_size == st.st_size
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, path)
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(ddo_blocks.CheckpointError,
+                       match=r"model\.safetensors.*changed on disk.*the path now names another file.*replaced"):
+        idx.check_unchanged()
+    # reads still come from the file that was validated, not from the one now at the path
+    out = torch.empty(64)
+    idx.read_into("w", out.data_ptr())
+    assert torch.equal(out, torch.full((64,), 1.0))
+
+
+def test_unchanged_file_passes_and_a_removed_one_is_a_checkpoint_error(tmp_path):
+    path = tmp_path / "model.safetensors"
+    _write_checkpoint(path)
+    idx = _native.SafetensorsIndex(path)
+    idx.check_unchanged()
+    os.utime(path, None)  # a touch moves the modification time
+    with pytest.raises(ddo_blocks.CheckpointError, match="changed on disk.*modification time"):
+        idx.check_unchanged()
+    path.unlink()
+    with pytest.raises(ddo_blocks.CheckpointError, match=r"model\.safetensors"):
+        idx.check_unchanged()
+
+
+# ---------------------------------------------------------------------------------------------
+# no memory map of the checkpoint
+# ---------------------------------------------------------------------------------------------
+def _mapped(path) -> bool:
+    target = str(path.resolve())
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(target) for line in f)
+
+
+def test_index_reads_the_header_without_mapping_the_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    _write_checkpoint(path)
+    idx = _native.SafetensorsIndex(path)
+    assert sorted(t[0] for t in idx.tensors()) == ["b", "w"]
+    assert not _mapped(path), "the index keeps the checkpoint memory-mapped"
+    out = torch.empty(8, dtype=torch.int64)
+    assert idx.read_into("b", out.data_ptr()) == 64
+    assert torch.equal(out, torch.arange(8, dtype=torch.int64))
+    assert not _mapped(path)
+
+
+def test_loaded_and_removed_offload_maps_no_checkpoint_file(flux_checkpoints):
+    from diffusers import FluxTransformer2DModel
+
+    root, model, x, ref = flux_checkpoints
+    files = sorted((root / "sharded").glob("*.safetensors")) + [root / "single" / "diffusion_pytorch_model.safetensors"]
+    for route, layout, options in (("linear", "sharded", {}), ("nvme", "single", {"ram_budget": 0})):
+        handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, root / layout, route=route, device="cpu",
+                                            vram_budget=budgets(model)["all_streamed"], units="block",
+                                            progress=False, **options)
+        if route == "nvme":
+            assert handle.report()["plan"]["streamed_units"] == 5
+        with torch.no_grad():
+            assert torch.equal(handle.module(**x)[0], ref)
+        assert not any(_mapped(f) for f in files), route
+        handle.remove()
+        assert not any(_mapped(f) for f in files), route

@@ -58,6 +58,11 @@ pub enum CoreError {
     /// The planner was asked something meaningless (no units, NaN bandwidth, ...).
     #[error("invalid plan request: {0}")]
     InvalidPlanRequest(String),
+
+    /// A caller passed a value no function can use (a NaN or negative float, a count or size
+    /// beyond what fits in memory, a buffer of the wrong size).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
 }
 
 /// A `Result` whose error is [`CoreError`].

@@ -1,12 +1,12 @@
-//! A validated index of a safetensors file's header over a read-only memory map.
+//! A validated index of a safetensors file's header, read with positional reads (no memory map).
 //!
 //! The format: an 8-byte little-endian header length `N`, `N` bytes of JSON
 //! mapping tensor names to `{"dtype", "shape", "data_offsets": [begin, end]}`
 //! (offsets relative to the data section) plus an optional `__metadata__`
 //! string map, then the data section.
 //!
-//! Everything is checked up front so later code can slice the mapping without
-//! further checks: every error names the file, the tensor, and what was
+//! Everything is checked up front so later code can read tensors at their
+//! offsets without further checks: every error names the file, the tensor, and what was
 //! expected versus found. What is accepted is what the reference implementation
 //! (the `safetensors` crate's `SafeTensors::read_metadata`) accepts: the
 //! tensors, sorted by offsets, cover the data section back to back from byte 0
@@ -19,7 +19,6 @@ use std::fs::File;
 use std::path::{Component, Path, PathBuf};
 use std::time::SystemTime;
 
-use memmap2::Mmap;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
@@ -64,41 +63,50 @@ pub fn parse_header(path: &str, bytes: &[u8]) -> Result<Header> {
         reason,
     };
     let file_len = bytes.len() as u64;
-    let Some(prefix) = bytes.get(..8) else {
+    let Some(prefix) = bytes.first_chunk::<8>() else {
         return Err(err(too_short(file_len)));
     };
-    let mut len_bytes = [0u8; 8];
-    len_bytes.copy_from_slice(prefix);
-    let header_len = u64::from_le_bytes(len_bytes);
-    if header_len > file_len - 8 {
-        return Err(err(format!(
-            "header length prefix says {header_len} bytes of JSON, but only {} bytes follow the \
-             8-byte prefix (file is {file_len} bytes)",
-            file_len - 8
-        )));
+    let header_len = header_len(*prefix, file_len).map_err(err)?;
+    // `header_len` checks that the JSON lies inside the file.
+    let json = usize::try_from(8 + header_len)
+        .ok()
+        .and_then(|end| bytes.get(8..end))
+        .ok_or_else(|| err("header range out of bounds".into()))?;
+    parse_json_header(json, file_len).map_err(err)
+}
+
+/// The JSON length an 8-byte prefix declares, checked against the file size and the limit.
+fn header_len(prefix: [u8; 8], file_len: u64) -> std::result::Result<u64, String> {
+    let header_len = u64::from_le_bytes(prefix);
+    let after = file_len.saturating_sub(8);
+    if header_len > after {
+        return Err(format!(
+            "header length prefix says {header_len} bytes of JSON, but only {after} bytes follow \
+             the 8-byte prefix (file is {file_len} bytes)"
+        ));
     }
     if header_len > MAX_HEADER_BYTES {
-        return Err(err(format!(
+        return Err(format!(
             "header is {header_len} bytes, larger than the {MAX_HEADER_BYTES}-byte limit"
-        )));
+        ));
     }
-    let data_start = 8 + header_len;
-    // Both bounds are <= bytes.len(), checked above.
-    let json = bytes
-        .get(8..data_start as usize)
-        .ok_or_else(|| err("header range out of bounds".into()))?;
-    let text =
-        std::str::from_utf8(json).map_err(|e| err(format!("header is not valid UTF-8 ({e})")))?;
-    let value = parse_json(text).map_err(err)?;
+    Ok(header_len)
+}
+
+/// Validates the JSON header `json` (the bytes after the prefix) of a file of `file_len` bytes.
+fn parse_json_header(json: &[u8], file_len: u64) -> std::result::Result<Header, String> {
+    let text = std::str::from_utf8(json).map_err(|e| format!("header is not valid UTF-8 ({e})"))?;
+    let value = parse_json(text)?;
     let Value::Object(map) = value else {
-        return Err(err(format!(
+        return Err(format!(
             "header must be a JSON object mapping tensor names to {{dtype, shape, data_offsets}}, \
              found {}",
             describe(&value)
-        )));
+        ));
     };
-    let data_len = file_len - data_start;
-    build_header(map, data_start, data_len).map_err(err)
+    let data_start = 8 + json.len() as u64;
+    let data_len = file_len.saturating_sub(data_start);
+    build_header(map, data_start, data_len)
 }
 
 fn too_short(file_len: u64) -> String {
@@ -449,88 +457,133 @@ fn describe(value: &Value) -> String {
     }
 }
 
-/// A safetensors file mapped read-only, with a validated tensor index.
+/// What identifies a file's contents on disk, as `fstat`/`stat` report it.
+///
+/// A rewrite keeps the inode but moves the status-change time (`ctime`), which no user call can
+/// set back, even when the modification time is restored (`cp -p`, `rsync -a`, `tar`); a file
+/// renamed over the path has another inode. The index keeps its file open, so the inode cannot be
+/// freed and its number reused by a new file while the index lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Self {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+
+    /// What differs from `then`, the stamp of the same inode when the file was opened.
+    fn changes_since(&self, then: &Stamp) -> Option<String> {
+        if self.len != then.len {
+            Some(format!("size {} -> {} bytes", then.len, self.len))
+        } else if self.mtime != then.mtime {
+            Some(format!(
+                "modification time {} -> {}",
+                fmt_time(then.mtime),
+                fmt_time(self.mtime)
+            ))
+        } else if self.ctime != then.ctime {
+            Some(format!(
+                "same size and modification time, but its status-change time moved {} -> {}: \
+                 rewritten in place with the modification time restored (cp -p, rsync -a, tar), or \
+                 its permissions or links changed",
+                fmt_time(then.ctime),
+                fmt_time(self.ctime)
+            ))
+        } else {
+            None
+        }
+    }
+}
+
+fn fmt_time((secs, nsec): (i64, i64)) -> String {
+    format!("{secs}.{nsec:09}")
+}
+
+/// A safetensors file's validated tensor index. Only the header is read (positional reads of the
+/// prefix and the JSON); the file stays open, unmapped, so that reads go to the file that was
+/// validated and [`check_unchanged`](Self::check_unchanged) can tell a rewrite from a replacement.
 #[derive(Debug)]
 pub struct SafetensorsIndex {
     path: PathBuf,
-    mmap: Mmap,
+    file: File,
     header: Header,
     by_name: HashMap<String, usize>,
-    file_len: u64,
+    stamp: Stamp,
     mtime: Option<SystemTime>,
 }
 
 impl SafetensorsIndex {
-    /// Opens, maps and validates a safetensors file.
+    /// Opens a safetensors file and reads and validates its header.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        use std::os::unix::fs::FileExt;
         let path = path.as_ref();
         let shown = path.display().to_string();
         let io = |source| CoreError::Io {
             path: shown.clone(),
             source,
         };
+        let bad = |reason: String| CoreError::Checkpoint {
+            path: shown.clone(),
+            reason,
+        };
         let file = File::open(path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {
-            return Err(CoreError::Checkpoint {
-                path: shown,
-                reason: "not a regular file".into(),
-            });
+            return Err(bad("not a regular file".into()));
         }
-        let file_len = meta.len();
+        let stamp = Stamp::of(&meta);
+        let file_len = stamp.len;
         if file_len < 8 {
-            return Err(CoreError::Checkpoint {
-                path: shown,
-                reason: too_short(file_len),
-            });
+            return Err(bad(too_short(file_len)));
         }
-        let mtime = meta.modified().ok();
-        // SAFETY: the file is opened read-only and the mapping is never
-        // written through. Another process could still modify or truncate the
-        // file while it is mapped; callers detect that with the size/mtime
-        // check in `check_unchanged` before trusting the bytes again.
-        #[allow(unsafe_code)]
-        let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        if mmap.len() as u64 != file_len {
-            return Err(CoreError::Checkpoint {
-                path: shown,
-                reason: format!(
-                    "file changed while opening it (size {file_len} bytes, mapped {} bytes)",
-                    mmap.len()
-                ),
-            });
+        let mut prefix = [0u8; 8];
+        file.read_exact_at(&mut prefix, 0).map_err(io)?;
+        let json_len = header_len(prefix, file_len).map_err(bad)?;
+        // At most MAX_HEADER_BYTES (checked by `header_len`); reserved fallibly all the same.
+        let json_len = usize::try_from(json_len).map_err(|_| bad("header too large".into()))?;
+        let mut json = Vec::new();
+        json.try_reserve_exact(json_len).map_err(|_| {
+            bad(format!(
+                "cannot allocate {json_len} bytes of host memory for the header"
+            ))
+        })?;
+        json.resize(json_len, 0);
+        file.read_exact_at(&mut json, 8).map_err(io)?;
+        let header = parse_json_header(&json, file_len).map_err(bad)?;
+        let after = file.metadata().map_err(io)?;
+        if let Some(change) = Stamp::of(&after).changes_since(&stamp) {
+            return Err(bad(format!(
+                "file changed while its header was read ({change}); open it again once it is \
+                 completely written"
+            )));
         }
-        let header = parse_header(&shown, &mmap)?;
-        Ok(Self::assemble(
-            path.to_path_buf(),
-            mmap,
-            header,
-            file_len,
-            mtime,
-        ))
-    }
-
-    fn assemble(
-        path: PathBuf,
-        mmap: Mmap,
-        header: Header,
-        file_len: u64,
-        mtime: Option<SystemTime>,
-    ) -> Self {
         let by_name = header
             .tensors
             .iter()
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
-        Self {
-            path,
-            mmap,
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
             header,
             by_name,
-            file_len,
-            mtime,
-        }
+            stamp,
+            mtime: meta.modified().ok(),
+        })
     }
 
     /// Parses the complete file held in `bytes` and returns its tensors,
@@ -556,12 +609,33 @@ impl SafetensorsIndex {
         self.header.metadata.as_ref()
     }
 
-    /// The bytes of tensor `name` inside the mapping.
-    pub fn data(&self, name: &str) -> Option<&[u8]> {
-        let t = self.get(name)?;
-        let start = usize::try_from(t.offset).ok()?;
-        let end = start.checked_add(usize::try_from(t.nbytes).ok()?)?;
-        self.mmap.get(start..end)
+    /// Reads tensor `name`'s bytes into `buf` (exactly its size) with a positional read of the
+    /// file that was validated. `Ok(false)` when there is no such tensor.
+    pub fn read_tensor(&self, name: &str, buf: &mut [u8]) -> Result<bool> {
+        use std::os::unix::fs::FileExt;
+        let Some(t) = self.get(name) else {
+            return Ok(false);
+        };
+        if buf.len() as u64 != t.nbytes {
+            return Err(CoreError::InvalidArgument(format!(
+                "tensor '{name}' of {} is {} bytes, but the buffer holds {}",
+                self.path.display(),
+                t.nbytes,
+                buf.len()
+            )));
+        }
+        self.file
+            .read_exact_at(buf, t.offset)
+            .map_err(|source| CoreError::Io {
+                path: self.path.display().to_string(),
+                source,
+            })?;
+        Ok(true)
+    }
+
+    /// The open file the header was read from (for positional reads of its tensors).
+    pub fn file(&self) -> &File {
+        &self.file
     }
 
     /// The path the file was opened with.
@@ -571,7 +645,7 @@ impl SafetensorsIndex {
 
     /// File size in bytes when opened.
     pub fn file_len(&self) -> u64 {
-        self.file_len
+        self.stamp.len
     }
 
     /// Modification time when opened, where the platform reports one.
@@ -584,43 +658,38 @@ impl SafetensorsIndex {
         self.header.data_start
     }
 
-    /// The whole mapped file.
-    pub fn mmap_bytes(&self) -> &[u8] {
-        &self.mmap
-    }
-
-    /// The address range of the mapping (for registering it as pinned memory).
-    pub fn as_ptr_range(&self) -> std::ops::Range<*const u8> {
-        self.mmap.as_ptr_range()
-    }
-
-    /// Checks that the file on disk still has the size and modification time
-    /// it had when opened; an error means the mapped bytes can no longer be
-    /// trusted and the file must be reopened.
+    /// Checks that the path still names the file that was opened and that this file was not
+    /// modified since: same device and inode (`stat` of the path against `fstat` of the open
+    /// descriptor: a file renamed over the path is another inode), same size, modification time
+    /// and status-change time (a rewrite that restores the modification time still moves the
+    /// latter). An error means the index no longer describes the file: reopen it.
     pub fn check_unchanged(&self) -> Result<()> {
+        use std::os::unix::fs::MetadataExt;
         let shown = self.path.display().to_string();
-        let meta = std::fs::metadata(&self.path).map_err(|source| CoreError::Io {
+        let io = |source| CoreError::Io {
             path: shown.clone(),
             source,
-        })?;
-        let changed = |reason: String| CoreError::Checkpoint {
-            path: shown.clone(),
-            reason,
         };
-        if meta.len() != self.file_len {
+        let changed = |what: String| CoreError::Checkpoint {
+            path: shown.clone(),
+            reason: format!("file changed on disk since it was opened ({what}); reopen it"),
+        };
+        let on_path = std::fs::metadata(&self.path).map_err(io)?;
+        let open = self.file.metadata().map_err(io)?;
+        if (on_path.dev(), on_path.ino()) != (open.dev(), open.ino()) {
             return Err(changed(format!(
-                "file changed on disk since it was opened (size {} -> {} bytes); reopen it",
-                self.file_len,
-                meta.len()
+                "the path now names another file, inode {} on device {:#x} instead of inode {} \
+                 on device {:#x}: it was replaced, e.g. by a rename over it or a new download",
+                on_path.ino(),
+                on_path.dev(),
+                open.ino(),
+                open.dev()
             )));
         }
-        if meta.modified().ok() != self.mtime {
-            return Err(changed(
-                "file changed on disk since it was opened (modification time differs); reopen it"
-                    .into(),
-            ));
+        match Stamp::of(&open).changes_since(&self.stamp) {
+            Some(what) => Err(changed(what)),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 

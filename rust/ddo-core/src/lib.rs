@@ -2,8 +2,8 @@
 //!
 //! `ddo-core` knows neither Python nor CUDA. It provides:
 //!
-//! - [`index`]: a validated index of safetensors files over a read-only
-//!   memory map, and sharded-checkpoint index parsing;
+//! - [`index`]: a validated index of safetensors files (their headers, read
+//!   with positional reads, never mapped), and sharded-checkpoint index parsing;
 //! - [`layout`]: byte layout of streamed units (256-byte aligned tensors)
 //!   and their packing into device slabs;
 //! - [`planner`] and [`mod@simulate`]: deciding which units stay resident and
@@ -16,10 +16,9 @@
 //!
 //! Every fallible function returns [`Result`] with a [`CoreError`] whose
 //! message names the file, tensor or number at fault; nothing panics on bad
-//! input. The only `unsafe` is the read-only memory map in
-//! [`SafetensorsIndex::open`].
+//! input. There is no `unsafe` code.
 
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod cache;

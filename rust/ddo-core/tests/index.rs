@@ -17,6 +17,13 @@ fn build_raw(header: &[u8], data: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Tensor `name`'s bytes, read through the index.
+fn read(idx: &SafetensorsIndex, name: &str) -> Vec<u8> {
+    let mut buf = vec![0u8; idx.get(name).unwrap().nbytes as usize];
+    assert!(idx.read_tensor(name, &mut buf).unwrap());
+    buf
+}
+
 fn write(dir: &tempfile::TempDir, name: &str, bytes: &[u8]) -> PathBuf {
     let p = dir.path().join(name);
     std::fs::write(&p, bytes).unwrap();
@@ -72,25 +79,22 @@ fn opens_valid_file() {
     );
     let b = idx.get("b").unwrap();
     assert_eq!(b.offset, start + 4);
-    assert_eq!(idx.data("b").unwrap(), &[4, 5, 6, 7, 8, 9, 10, 11]);
-    assert_eq!(idx.data("empty").unwrap(), &[] as &[u8]);
+    assert_eq!(read(&idx, "b"), [4, 5, 6, 7, 8, 9, 10, 11]);
+    assert_eq!(read(&idx, "empty"), [] as [u8; 0]);
     assert_eq!(idx.get("empty").unwrap().shape, vec![0, 3]);
-    assert_eq!(
-        idx.data("scalar").unwrap(),
-        &[12, 13, 14, 15, 16, 17, 18, 19]
-    );
+    assert_eq!(read(&idx, "scalar"), [12, 13, 14, 15, 16, 17, 18, 19]);
     assert!(idx.get("missing").is_none());
-    assert!(idx.data("missing").is_none());
+    assert!(!idx.read_tensor("missing", &mut []).unwrap());
+    let err = idx.read_tensor("b", &mut [0; 3]).unwrap_err();
+    assert!(matches!(err, CoreError::InvalidArgument(_)), "{err}");
+    assert!(err.to_string().contains("'b'") && err.to_string().contains("8 bytes"));
     assert_eq!(
         idx.metadata().unwrap().get("format").map(String::as_str),
         Some("pt")
     );
     assert_eq!(idx.file_len(), bytes.len() as u64);
-    assert_eq!(idx.mmap_bytes(), &bytes[..]);
     assert_eq!(idx.path(), p.as_path());
     assert!(idx.mtime().is_some());
-    let r = idx.as_ptr_range();
-    assert_eq!(r.end as usize - r.start as usize, bytes.len());
     idx.check_unchanged().unwrap();
 }
 
@@ -115,7 +119,7 @@ fn no_metadata_is_none() {
     );
     let idx = SafetensorsIndex::open(write(&dir, "m.safetensors", &bytes)).unwrap();
     assert!(idx.metadata().is_none());
-    assert_eq!(idx.data("a").unwrap(), &[7]);
+    assert_eq!(read(&idx, "a"), [7]);
 }
 
 #[test]
@@ -429,7 +433,80 @@ fn detects_change_on_disk() {
     longer.push(0);
     std::fs::write(&p, &longer).unwrap();
     let msg = idx.check_unchanged().unwrap_err().to_string();
-    assert!(msg.contains("changed on disk"), "{msg}");
+    assert!(
+        msg.contains("changed on disk") && msg.contains("size"),
+        "{msg}"
+    );
+}
+
+/// Sets the modification time of `p` back to `mtime` until the status-change time differs from
+/// `ctime` (timestamps have the kernel's coarse clock granularity).
+fn restore_mtime_until_ctime_moves(p: &std::path::Path, mtime: std::time::SystemTime, ctime: i128) {
+    use std::os::unix::fs::MetadataExt;
+    for _ in 0..200 {
+        let f = std::fs::File::options().write(true).open(p).unwrap();
+        f.set_modified(mtime).unwrap();
+        let m = std::fs::metadata(p).unwrap();
+        if m.ctime() as i128 * 1_000_000_000 + m.ctime_nsec() as i128 != ctime {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    panic!("the status-change time of {} never moved", p.display());
+}
+
+fn ctime_ns(p: &std::path::Path) -> i128 {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(p).unwrap();
+    m.ctime() as i128 * 1_000_000_000 + m.ctime_nsec() as i128
+}
+
+#[test]
+fn detects_a_same_size_rewrite_with_the_mtime_restored() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = good_file();
+    let p = write(&dir, "m.safetensors", &bytes);
+    let idx = SafetensorsIndex::open(&p).unwrap();
+    let (mtime, ctime) = (
+        std::fs::metadata(&p).unwrap().modified().unwrap(),
+        ctime_ns(&p),
+    );
+    let mut other = bytes.clone();
+    *other.last_mut().unwrap() ^= 0xFF;
+    std::fs::write(&p, &other).unwrap(); // same inode, same size
+    restore_mtime_until_ctime_moves(&p, mtime, ctime);
+    assert_eq!(std::fs::metadata(&p).unwrap().modified().unwrap(), mtime);
+    let msg = idx.check_unchanged().unwrap_err().to_string();
+    assert!(
+        msg.contains("changed on disk") && msg.contains("status-change time"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn detects_a_same_size_file_renamed_over_the_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = good_file();
+    let p = write(&dir, "m.safetensors", &bytes);
+    let idx = SafetensorsIndex::open(&p).unwrap();
+    let meta = std::fs::metadata(&p).unwrap();
+    let mut other = bytes.clone();
+    *other.last_mut().unwrap() ^= 0xFF;
+    let tmp = write(&dir, "new.tmp", &other);
+    std::fs::File::options()
+        .write(true)
+        .open(&tmp)
+        .unwrap()
+        .set_modified(meta.modified().unwrap())
+        .unwrap();
+    std::fs::rename(&tmp, &p).unwrap();
+    let msg = idx.check_unchanged().unwrap_err().to_string();
+    assert!(
+        msg.contains("changed on disk") && msg.contains("the path now names another file"),
+        "{msg}"
+    );
+    // the index still reads the file it validated
+    assert_eq!(read(&idx, "scalar"), [12, 13, 14, 15, 16, 17, 18, 19]);
 }
 
 #[test]

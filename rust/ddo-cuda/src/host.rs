@@ -141,9 +141,14 @@ pub fn copy_host_many(jobs: &[(usize, usize, usize)]) {
 /// parallel on the current rayon pool, with positional reads (`pread`), never through a memory map,
 /// so the file's pages are not charged to the process (RSS stays at the destination's size).
 pub fn read_file_into(path: &std::path::Path, jobs: &[(u64, usize, usize)]) -> std::io::Result<()> {
+    read_fd_into(&std::fs::File::open(path)?, jobs)
+}
+
+/// [`read_file_into`] from a file that is already open (a validated index's file: the bytes then
+/// come from the file whose header was checked, even if another file was renamed over its path).
+pub fn read_fd_into(file: &std::fs::File, jobs: &[(u64, usize, usize)]) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     const PIECE: usize = 16 << 20;
-    let file = std::fs::File::open(path)?;
     let pieces: Vec<(u64, usize, usize)> = jobs
         .iter()
         .flat_map(|&(off, len, dst)| {

@@ -24,6 +24,8 @@ pub use driver::{
 };
 pub use error::{CudaError, Result};
 pub use event::Event;
-pub use host::{copy_host, copy_host_many, read_file_into, HostBuffer, HostRegistration};
+pub use host::{
+    copy_host, copy_host_many, read_fd_into, read_file_into, HostBuffer, HostRegistration,
+};
 pub use reader::{measure_read_bandwidth, DiskProbe};
 pub use transport::{Staging, Target, Transport, TransportStats};

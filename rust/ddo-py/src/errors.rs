@@ -85,6 +85,7 @@ pub(crate) fn core_err(e: CoreError) -> PyErr {
         }
         CoreError::BudgetTooSmall { .. } => BudgetError::new_err(msg),
         CoreError::InvalidPlanRequest(_) => PlanError::new_err(msg),
+        CoreError::InvalidArgument(_) => ConfigError::new_err(msg),
     }
 }
 

@@ -4,9 +4,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use pyo3::prelude::*;
 
-use crate::errors::{core_err, cuda_err, CheckpointError};
+use crate::errors::{core_err, cuda_err, CheckpointError, ConfigError};
 
-/// A validated safetensors file, memory-mapped read-only.
+/// A validated safetensors file: its header, and the file kept open (not mapped) for reads.
 #[pyclass(module = "ddo_blocks._native", frozen)]
 struct SafetensorsIndex {
     inner: ddo_core::SafetensorsIndex,
@@ -59,17 +59,26 @@ impl SafetensorsIndex {
         self.inner.check_unchanged().map_err(core_err)
     }
 
-    /// Copies tensor `name`'s bytes to host address `dst` (which must hold them), GIL released.
+    /// Reads tensor `name`'s bytes from the validated file into host address `dst` (which must
+    /// hold them) with positional reads, GIL released. Returns the byte count.
     fn read_into(&self, py: Python<'_>, name: &str, dst: usize) -> PyResult<u64> {
-        let data = self.inner.data(name).ok_or_else(|| {
-            CheckpointError::new_err(format!(
-                "tensor {name:?} is not in {}",
-                self.inner.path().display()
+        let path = self.inner.path().display();
+        let t = self
+            .inner
+            .get(name)
+            .ok_or_else(|| CheckpointError::new_err(format!("tensor {name:?} is not in {path}")))?;
+        let (offset, nbytes) = (t.offset, t.nbytes);
+        let n = usize::try_from(nbytes).map_err(|_| {
+            ConfigError::new_err(format!(
+                "tensor {name:?} of {path} is {nbytes} bytes, more than this machine can address"
             ))
         })?;
-        let (src, n) = (data.as_ptr() as usize, data.len());
-        py.detach(|| ddo_cuda::copy_host(dst, src, n));
-        Ok(n as u64)
+        let inner = &self.inner;
+        py.detach(|| ddo_cuda::read_fd_into(inner.file(), &[(offset, n, dst)]))
+            .map_err(|e| {
+                CheckpointError::new_err(format!("reading tensor {name:?} of {path}: {e}"))
+            })?;
+        Ok(nbytes)
     }
 }
 
