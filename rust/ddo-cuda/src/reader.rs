@@ -50,6 +50,11 @@ impl ReadFile {
         } else {
             None
         };
+        // The two opens name the path twice: a file renamed over it in between would give two
+        // descriptors of different files, and reads would mix their bytes.
+        if let Some(d) = &direct {
+            same_file(path, &buffered, d)?;
+        }
         let direct_ok = AtomicBool::new(direct.is_some());
         Ok(Self {
             path: path.to_path_buf(),
@@ -166,6 +171,27 @@ impl ReadFile {
     }
 }
 
+/// Checks that two descriptors opened from `path` name one file (same device and inode).
+fn same_file(path: &Path, a: &File, b: &File) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let id = |f: &File| {
+        f.metadata()
+            .map(|m| (m.dev(), m.ino()))
+            .map_err(|e| read_err(path, "reading the status of", e))
+    };
+    let (a, b) = (id(a)?, id(b)?);
+    if a != b {
+        return Err(CudaError::Read(format!(
+            "{} was replaced while it was being opened (inode {} then inode {}); open it again once \
+             it is no longer being written",
+            path.display(),
+            a.1,
+            b.1
+        )));
+    }
+    Ok(())
+}
+
 /// Whether a chunk's offset, length and destination all sit on [`ALIGN`] (the `O_DIRECT` rule).
 pub fn chunk_is_aligned(offset: u64, len: usize, dst: usize) -> bool {
     (offset as usize | len | dst) & (ALIGN - 1) == 0
@@ -280,6 +306,24 @@ pub(crate) mod tests {
     #[test]
     fn direct_reads_are_exact_where_allowed() {
         read_all(true);
+    }
+
+    #[test]
+    fn descriptors_of_two_files_are_refused() {
+        let (a, _) = temp_file("same-a", 10);
+        let (b, _) = temp_file("same-b", 10);
+        let fa = File::open(&a).unwrap();
+        same_file(&a, &fa, &File::open(&a).unwrap()).unwrap();
+        let err = same_file(&a, &fa, &File::open(&b).unwrap()).unwrap_err();
+        assert!(matches!(err, CudaError::Read(_)), "{err}");
+        assert!(
+            err.to_string()
+                .contains("was replaced while it was being opened"),
+            "{err}"
+        );
+        for p in [a, b] {
+            std::fs::remove_dir_all(p.parent().unwrap()).unwrap();
+        }
     }
 
     #[test]
