@@ -26,10 +26,12 @@ def cuda_driver_version() -> int: ...
 
 # host memory and files
 def copy_host_many(jobs: Sequence[tuple[int, int, int]]) -> None:
-    """``(dst, src, nbytes)`` host copies in parallel, GIL released."""
+    """``(dst, src, nbytes)`` host copies in parallel, GIL released; ConfigError, before any copy, for a
+    null, wrapping or overlapping range."""
 
 def read_file_into(path: str | PathLike[str], jobs: Sequence[tuple[int, int, int]]) -> None:
-    """``(file_offset, nbytes, dst)`` positional reads in parallel (no memory map), GIL released."""
+    """``(file_offset, nbytes, dst)`` positional reads in parallel (no memory map), GIL released;
+    CheckpointError for a range past the end of the file, ConfigError for a null or wrapping ``dst``."""
 
 def measure_disk_read(path: str | PathLike[str], max_bytes: int = ..., threads: int = 8) -> tuple[float, int, bool]:
     """``(bytes_per_s, bytes_read, o_direct)`` of a read of the file's start."""

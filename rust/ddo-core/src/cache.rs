@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{CoreError, Result};
 use crate::planner::SIM_PASSES;
-use crate::simulate::simulate_disk;
+use crate::simulate::{simulate_disk, MAX_SLOTS};
 
 /// What the cache planner needs to know.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -94,6 +94,12 @@ pub fn plan_ram_cache(req: &RamCacheRequest) -> Result<RamCachePlan> {
     let streamed: Vec<usize> = (0..n).filter(|&i| !req.resident[i]).collect();
     if !streamed.is_empty() && req.slots == 0 {
         return bad("units stream but the device plan has no slots".into());
+    }
+    if req.slots > MAX_SLOTS {
+        return Err(CoreError::InvalidArgument(format!(
+            "slots = {} is more than the {MAX_SLOTS} slots a transport can have",
+            req.slots
+        )));
     }
 
     let mut candidates: Vec<Vec<bool>> = Vec::new();
@@ -316,6 +322,11 @@ mod tests {
         let mut r = req(vec![1, 2], vec![false], 0);
         assert!(plan_ram_cache(&r).is_err());
         r = req(vec![1, 2], vec![false, false], 0);
+        let mut huge = r.clone();
+        huge.slots = 1 << 40;
+        let err = plan_ram_cache(&huge).unwrap_err();
+        assert!(matches!(err, CoreError::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains("slots = 1099511627776"), "{err}");
         r.slots = 0;
         assert!(plan_ram_cache(&r).is_err());
         r = req(vec![1, 2], vec![false, false], 0);

@@ -42,5 +42,5 @@ pub use layout::{
 pub use metrics::{Counters, CountersSnapshot};
 pub use planner::{minimum_budget, plan, plan_counted, MinimumBudget, Plan, PlanRequest};
 pub use reads::{plan_reads, ChunkCopy, ReadChunk, ReadPiece};
-pub use simulate::{simulate, simulate_disk, SimResult};
+pub use simulate::{check_sim_inputs, simulate, simulate_disk, SimResult, MAX_PASSES, MAX_SLOTS};
 pub use units::fmt_bytes;

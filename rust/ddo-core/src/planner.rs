@@ -33,7 +33,7 @@ use std::collections::HashSet;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CoreError, Result};
-use crate::simulate::simulate;
+use crate::simulate::{simulate, MAX_SLOTS};
 
 /// Passes simulated to score a candidate; the last one is the steady state.
 pub const SIM_PASSES: usize = 4;
@@ -272,6 +272,12 @@ fn validate(req: &PlanRequest) -> Result<Vec<f64>> {
     }
     if req.min_slots == 0 {
         return bad("min_slots must be at least 1 (normally 2)".into());
+    }
+    if req.min_slots > MAX_SLOTS {
+        return Err(CoreError::InvalidArgument(format!(
+            "min_slots = {} is more than the {MAX_SLOTS} slots a transport can have (normally 2)",
+            req.min_slots
+        )));
     }
     if req.max_slots < req.min_slots {
         return bad(format!(

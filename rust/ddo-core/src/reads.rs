@@ -84,6 +84,12 @@ pub fn plan_reads(
                 p.offset, p.len
             )));
         }
+        if p.dst.checked_add(p.len).is_none() {
+            return Err(CoreError::InvalidArgument(format!(
+                "a piece of {} bytes going to byte {} of the slot ends past 2^64",
+                p.len, p.dst
+            )));
+        }
     }
     sorted.sort_by_key(|p| (p.file, p.offset, p.dst));
 

@@ -12,6 +12,14 @@
 
 use serde::Serialize;
 
+use crate::error::{CoreError, Result};
+
+/// Most passes [`check_sim_inputs`] accepts (the planner simulates 4).
+pub const MAX_PASSES: usize = 1000;
+
+/// Most slots anything accepts: the planner's `min_slots`, a simulation, a transport.
+pub const MAX_SLOTS: usize = 1024;
+
 /// Timings produced by [`simulate`].
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
 pub struct SimResult {
@@ -88,6 +96,68 @@ pub fn simulate_disk(
     )
 }
 
+/// Checks simulator inputs that come from outside (the Python binding), which [`simulate`] and
+/// [`simulate_disk`] would otherwise read leniently: one entry per unit in every list, finite
+/// non-negative compute times, finite positive bandwidths, 1 to [`MAX_SLOTS`] slots and 1 to
+/// [`MAX_PASSES`] passes. `from_disk` and `disk_bytes_per_s` belong to [`simulate_disk`].
+/// Errors: [`CoreError::InvalidArgument`] naming the value.
+#[allow(clippy::too_many_arguments)]
+pub fn check_sim_inputs(
+    unit_bytes: &[u64],
+    unit_compute_s: &[f64],
+    resident: &[bool],
+    from_disk: Option<&[bool]>,
+    slots: usize,
+    link_bytes_per_s: f64,
+    disk_bytes_per_s: Option<f64>,
+    passes: usize,
+) -> Result<()> {
+    let bad = |msg: String| Err(CoreError::InvalidArgument(msg));
+    let n = unit_bytes.len();
+    for (what, len) in [
+        ("unit_compute_s", Some(unit_compute_s.len())),
+        ("resident", Some(resident.len())),
+        ("from_disk", from_disk.map(<[bool]>::len)),
+    ] {
+        if let Some(len) = len.filter(|&len| len != n) {
+            return bad(format!(
+                "{what} has {len} entries but unit_bytes has {n}: give one per unit"
+            ));
+        }
+    }
+    if let Some((i, t)) = unit_compute_s
+        .iter()
+        .enumerate()
+        .find(|(_, t)| !(t.is_finite() && **t >= 0.0))
+    {
+        return bad(format!(
+            "unit_compute_s[{i}] = {t} is not a finite non-negative number of seconds"
+        ));
+    }
+    for (what, v) in [
+        ("link_bytes_per_s", Some(link_bytes_per_s)),
+        ("disk_bytes_per_s", disk_bytes_per_s),
+    ] {
+        if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+            return bad(format!(
+                "{what} must be a finite positive number of bytes per second, got {v}"
+            ));
+        }
+    }
+    if !(1..=MAX_SLOTS).contains(&slots) {
+        return bad(format!(
+            "slots = {slots}: a simulation takes 1 to {MAX_SLOTS} slots"
+        ));
+    }
+    if !(1..=MAX_PASSES).contains(&passes) {
+        return bad(format!(
+            "passes = {passes}: a simulation takes 1 to {MAX_PASSES} passes (the last one is the \
+             steady state; 3 or 4 are enough)"
+        ));
+    }
+    Ok(())
+}
+
 fn transfer_s(bytes: u64, rate: f64) -> f64 {
     if bytes == 0 {
         0.0
@@ -106,8 +176,13 @@ fn run(
     passes: usize,
     copy_s: impl Fn(usize, u64) -> f64,
 ) -> SimResult {
-    let slots = slots.max(1);
     let passes = passes.max(1);
+    // Slots beyond the number of fetches are never reused, so they change nothing: capping them
+    // keeps the ring's allocation to the size of the input, whatever `slots` says.
+    let streamed = (0..unit_bytes.len())
+        .filter(|&i| !resident.get(i).copied().unwrap_or(false))
+        .count();
+    let slots = slots.clamp(1, streamed.saturating_mul(passes).max(1));
     let compute = |i: usize| {
         unit_compute_s
             .get(i)
@@ -232,6 +307,75 @@ mod tests {
         assert_eq!(fast, cached);
         let broken = simulate_disk(&bytes, &compute, &none, &[true; 4], 2, 100.0, f64::NAN, 2);
         assert!(!broken.step_s.is_finite());
+    }
+
+    #[test]
+    fn huge_slot_counts_allocate_nothing_and_change_nothing() {
+        let bytes = [100, 100, 100];
+        let compute = [1.0, 1.0, 1.0];
+        let streamed = [false; 3];
+        let big = simulate(&bytes, &compute, &streamed, usize::MAX, 100.0, 3);
+        assert_eq!(big, simulate(&bytes, &compute, &streamed, 9, 100.0, 3));
+        let disk = simulate_disk(
+            &bytes,
+            &compute,
+            &streamed,
+            &[true; 3],
+            1 << 62,
+            1.0,
+            1.0,
+            2,
+        );
+        assert!(disk.step_s.is_finite());
+    }
+
+    #[test]
+    fn inputs_from_outside_are_checked() {
+        let ok = |slots, link, passes| {
+            check_sim_inputs(
+                &[1, 2],
+                &[0.1, 0.2],
+                &[false, true],
+                None,
+                slots,
+                link,
+                None,
+                passes,
+            )
+        };
+        ok(2, 1e9, 3).unwrap();
+        for (args, want) in [
+            ((0, 1e9, 3), "slots = 0"),
+            ((1 << 40, 1e9, 3), "1 to 1024 slots"),
+            (
+                (2, f64::NAN, 3),
+                "link_bytes_per_s must be a finite positive number",
+            ),
+            ((2, -1.0, 3), "got -1"),
+            ((2, 1e9, 0), "passes = 0"),
+            ((2, 1e9, usize::MAX), "1 to 1000 passes"),
+        ] {
+            let err = ok(args.0, args.1, args.2).unwrap_err();
+            assert!(matches!(err, CoreError::InvalidArgument(_)), "{err}");
+            assert!(err.to_string().contains(want), "want {want:?} in {err}");
+        }
+        let err = check_sim_inputs(&[1], &[f64::INFINITY], &[false], None, 1, 1.0, None, 1);
+        assert!(err
+            .unwrap_err()
+            .to_string()
+            .contains("unit_compute_s[0] = inf"));
+        let err = check_sim_inputs(&[1], &[0.0], &[false, false], None, 1, 1.0, None, 1);
+        assert!(err
+            .unwrap_err()
+            .to_string()
+            .contains("resident has 2 entries"));
+        let err = check_sim_inputs(&[1], &[0.0], &[false], Some(&[]), 1, 1.0, Some(0.0), 1);
+        assert!(err
+            .unwrap_err()
+            .to_string()
+            .contains("from_disk has 0 entries"));
+        let err = check_sim_inputs(&[1], &[0.0], &[false], Some(&[true]), 1, 1.0, Some(0.0), 1);
+        assert!(err.unwrap_err().to_string().contains("disk_bytes_per_s"));
     }
 
     #[test]

@@ -472,3 +472,20 @@ fn zero_size_units() {
     let p = plan(&r).unwrap();
     assert_eq!(p.slots, 0);
 }
+
+#[test]
+fn a_slot_count_from_outside_is_bounded() {
+    let mut r = req(vec![100, 100, 100], Some(250));
+    r.min_slots = 1 << 40;
+    r.max_slots = 1 << 40;
+    let err = plan(&r).unwrap_err();
+    assert!(matches!(err, CoreError::InvalidArgument(_)), "{err}");
+    assert!(
+        err.to_string().contains("min_slots = 1099511627776"),
+        "{err}"
+    );
+    // a large max_slots is fine: the search stops at the number of units
+    r.min_slots = 2;
+    r.max_slots = usize::MAX;
+    assert_eq!(plan(&r).unwrap().slots, 2);
+}

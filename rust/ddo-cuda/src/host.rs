@@ -32,6 +32,7 @@ impl HostRegistration {
                 "cannot page-lock {len} bytes at address {ptr:#x}"
             )));
         }
+        check_host_range("page-locking", ptr, len)?;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
         // SAFETY: the caller guarantees [ptr, ptr+len) is allocated host memory that outlives `Self`.
         let code = unsafe { sys::cuMemHostRegister_v2(ptr as *mut std::ffi::c_void, len, flags) };
@@ -131,39 +132,112 @@ pub fn copy_host(dst: usize, src: usize, n: usize) {
     });
 }
 
-/// Runs many `(dst, src, n)` host copies in parallel (one rayon task per copy, large copies split).
-pub fn copy_host_many(jobs: &[(usize, usize, usize)]) {
+/// Checks a host range from a caller: `n` bytes at `addr` must not start at address 0 nor wrap
+/// past the end of the address space.
+pub fn check_host_range(what: &str, addr: usize, n: usize) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    if addr == 0 {
+        return Err(CudaError::InvalidArgument(format!(
+            "{what}: {n} bytes at address 0 (a null pointer); pass the address of memory that \
+             holds them"
+        )));
+    }
+    if addr
+        .checked_add(n)
+        .is_none_or(|end| end > isize::MAX as usize + 1)
+    {
+        return Err(CudaError::InvalidArgument(format!(
+            "{what}: {n} bytes at address {addr:#x} run past the end of the address space"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a `(dst, src, n)` host copy from a caller: both ranges valid ([`check_host_range`]) and
+/// disjoint (the copy is a `memcpy`).
+fn check_host_copy(dst: usize, src: usize, n: usize) -> Result<()> {
+    check_host_range("copy destination", dst, n)?;
+    check_host_range("copy source", src, n)?;
+    if n > 0 && dst < src + n && src < dst + n {
+        return Err(CudaError::InvalidArgument(format!(
+            "copy of {n} bytes from {src:#x} to {dst:#x}: the ranges overlap"
+        )));
+    }
+    Ok(())
+}
+
+/// Runs many `(dst, src, n)` host copies in parallel (one rayon task per copy, large copies split),
+/// after checking every one ([`check_host_copy`]): none runs when one is invalid.
+pub fn copy_host_many(jobs: &[(usize, usize, usize)]) -> Result<()> {
+    for &(dst, src, n) in jobs {
+        check_host_copy(dst, src, n)?;
+    }
     jobs.par_iter()
         .for_each(|&(dst, src, n)| copy_host(dst, src, n));
+    Ok(())
 }
 
 /// Reads byte ranges of one file straight into host memory: `(file_offset, len, dst)` jobs, in
 /// parallel on the current rayon pool, with positional reads (`pread`), never through a memory map,
 /// so the file's pages are not charged to the process (RSS stays at the destination's size).
-pub fn read_file_into(path: &std::path::Path, jobs: &[(u64, usize, usize)]) -> std::io::Result<()> {
-    read_fd_into(&std::fs::File::open(path)?, jobs)
+///
+/// Errors: [`CudaError::InvalidArgument`] for a job whose destination is null or wraps,
+/// [`CudaError::Read`] (naming the file) for a range past the end of the file or a failed read.
+pub fn read_file_into(path: &std::path::Path, jobs: &[(u64, usize, usize)]) -> Result<()> {
+    let file = std::fs::File::open(path)
+        .map_err(|e| CudaError::Read(format!("opening {}: {e}", path.display())))?;
+    read_fd_into(&file, path, jobs)
 }
 
 /// [`read_file_into`] from a file that is already open (a validated index's file: the bytes then
 /// come from the file whose header was checked, even if another file was renamed over its path).
-pub fn read_fd_into(file: &std::fs::File, jobs: &[(u64, usize, usize)]) -> std::io::Result<()> {
+/// `path` names the file in messages.
+pub fn read_fd_into(
+    file: &std::fs::File,
+    path: &std::path::Path,
+    jobs: &[(u64, usize, usize)],
+) -> Result<()> {
     use std::os::unix::fs::FileExt;
     const PIECE: usize = 16 << 20;
-    let pieces: Vec<(u64, usize, usize)> = jobs
-        .iter()
-        .flat_map(|&(off, len, dst)| {
-            (0..len.div_ceil(PIECE)).map(move |i| {
-                let o = i * PIECE;
-                (off + o as u64, PIECE.min(len - o), dst + o)
-            })
+    let shown = path.display();
+    let size = file
+        .metadata()
+        .map_err(|e| CudaError::Read(format!("reading the size of {shown}: {e}")))?
+        .len();
+    let mut count = 0usize;
+    for &(off, len, dst) in jobs {
+        check_host_range(&format!("reading {shown}"), dst, len)?;
+        if off.checked_add(len as u64).is_none_or(|end| end > size) {
+            return Err(CudaError::Read(format!(
+                "reading {shown}: bytes {off}..{} are asked for but the file is {size} bytes \
+                 (truncated or replaced?)",
+                off as u128 + len as u128
+            )));
+        }
+        count += len.div_ceil(PIECE); // at most size / PIECE + 1 per job: bounded by the file
+    }
+    let mut pieces: Vec<(u64, usize, usize)> = Vec::new();
+    pieces
+        .try_reserve_exact(count)
+        .map_err(|_| CudaError::OutOfMemory(format!("listing {count} reads of {shown}")))?;
+    for &(off, len, dst) in jobs {
+        for i in 0..len.div_ceil(PIECE) {
+            let o = i * PIECE;
+            pieces.push((off + o as u64, PIECE.min(len - o), dst + o));
+        }
+    }
+    pieces
+        .par_iter()
+        .try_for_each(|&(off, len, dst)| {
+            // SAFETY: the caller guarantees `dst` points to `len` writable bytes that stay allocated
+            // and are not read or written by anyone else until this call returns (the range was
+            // checked not to be null nor to wrap).
+            let buf = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+            file.read_exact_at(buf, off)
         })
-        .collect();
-    pieces.par_iter().try_for_each(|&(off, len, dst)| {
-        // SAFETY: the caller guarantees `dst` points to `len` writable bytes that stay allocated and
-        // are not read or written by anyone else until this call returns.
-        let buf = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
-        file.read_exact_at(buf, off)
-    })
+        .map_err(|e| CudaError::Read(format!("reading {shown}: {e}")))
 }
 
 #[cfg(test)]
@@ -196,7 +270,8 @@ mod tests {
         copy_host_many(&[
             (base, a.as_ptr() as usize, 1000),
             (base + 1000, b.as_ptr() as usize, 3000),
-        ]);
+        ])
+        .unwrap();
         assert!(out[..1000].iter().all(|&x| x == 7));
         assert!(out[1000..].iter().all(|&x| x == 9));
     }
@@ -217,9 +292,38 @@ mod tests {
         .unwrap();
         assert_eq!(&out[..1000], &data[5..1005]);
         assert_eq!(&out[1000..], &data[1 << 20..(1 << 20) + (20 << 20) - 1000]);
-        let err = read_file_into(&path, &[(data.len() as u64 - 10, 100, base)]);
-        assert!(err.is_err(), "reading past the end must fail");
+        let err = read_file_into(&path, &[(data.len() as u64 - 10, 100, base)]).unwrap_err();
+        assert!(matches!(err, CudaError::Read(_)), "{err}");
+        assert!(err.to_string().contains("f.bin") && err.to_string().contains("file is"));
+        // a range the size of the address space is refused before anything is listed or read
+        let err = read_file_into(&path, &[(0, 1 << 50, base)]).unwrap_err();
+        assert!(matches!(err, CudaError::Read(_)), "{err}");
+        let err = read_file_into(&path, &[(0, 10, 0)]).unwrap_err();
+        assert!(matches!(err, CudaError::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains("null pointer"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn bad_host_copies_are_refused_before_any_runs() {
+        let mut out = [0u8; 8];
+        let src = [1u8; 8];
+        let (d, s) = (out.as_mut_ptr() as usize, src.as_ptr() as usize);
+        for (jobs, want) in [
+            (vec![(d, s, 8), (0, s, 8)], "null pointer"),
+            (
+                vec![(d, usize::MAX - 2, 8)],
+                "past the end of the address space",
+            ),
+            (vec![(d, d + 2, 4)], "overlap"),
+        ] {
+            let err = copy_host_many(&jobs).unwrap_err();
+            assert!(matches!(err, CudaError::InvalidArgument(_)), "{err}");
+            assert!(err.to_string().contains(want), "want {want:?} in {err}");
+        }
+        assert_eq!(out, [0; 8]);
+        copy_host_many(&[(d, s, 8), (0, 0, 0)]).unwrap();
+        assert_eq!(out, [1; 8]);
     }
 
     #[test]

@@ -227,6 +227,12 @@ fn measure_in_windows(
     threads: usize,
     window: usize,
 ) -> Result<DiskProbe> {
+    if threads > crate::transport::MAX_THREADS {
+        return Err(CudaError::InvalidArgument(format!(
+            "a disk probe uses at most {} reader threads, got {threads}",
+            crate::transport::MAX_THREADS
+        )));
+    }
     let file = ReadFile::open(path, true)?;
     let file_len = std::fs::metadata(path)
         .map_err(|e| read_err(path, "reading the size of", e))?

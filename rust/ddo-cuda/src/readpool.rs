@@ -254,6 +254,8 @@ mod tests {
             r.wait();
             r.result().unwrap();
             let needed = n.min(len - off as usize);
+            // SAFETY: the buffer holds at least `needed` bytes (an anonymous mapping, initialised)
+            // and its read is done: no reader writes it any more.
             let got = unsafe { std::slice::from_raw_parts(b.ptr() as *const u8, needed) };
             assert_eq!(got, &data[off as usize..off as usize + needed]);
         }

@@ -42,6 +42,8 @@ pub(crate) struct FileUnit {
     pub copy_bytes: u64,
     /// Bytes read from disk per fetch (with alignment padding).
     pub read_bytes: u64,
+    /// Bytes of the slot the unit writes: the end of its farthest piece.
+    pub span: usize,
 }
 
 #[derive(Debug, Clone)]

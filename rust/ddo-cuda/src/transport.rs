@@ -75,6 +75,12 @@ impl Transport {
     /// Creates the transport. On the CUDA target the device's primary context is made current and
     /// the events are created; without a driver this fails with [`CudaError::NotAvailable`].
     pub fn new(target: Target, slots: usize, staging: Option<Staging>) -> Result<Self> {
+        check_config(slots, staging.as_ref())?;
+        let mut pending = Vec::new();
+        pending
+            .try_reserve_exact(slots)
+            .map_err(|_| CudaError::OutOfMemory(format!("listing {slots} slots")))?;
+        pending.resize(slots, 0);
         // Events and the staging ring's page-locked buffers are created in the target's context.
         let _ctx = match target {
             Target::Cuda { ordinal, .. } => Some(bind_context(ordinal)?),
@@ -100,7 +106,7 @@ impl Transport {
             events,
             stager,
             staging,
-            pending: vec![0; slots],
+            pending,
             stats: TransportStats::default(),
             files: Vec::new(),
             file_units: Vec::new(),
@@ -137,8 +143,10 @@ impl Transport {
     /// slot's previous unit was consumed. Returns without waiting for the copy.
     pub fn fetch(&mut self, slot: usize, dst: usize, src: usize, n: usize) -> Result<()> {
         self.check_slot(slot)?;
+        crate::host::check_host_range("fetch destination", dst, n)?;
+        crate::host::check_host_range("fetch source", src, n)?;
         self.stats.fetches += 1;
-        self.stats.bytes += n as u64;
+        self.stats.bytes = self.stats.bytes.saturating_add(n as u64);
         if let Some(stager) = self.stager.as_mut() {
             self.pending[slot] = stager.submit(Job {
                 slot,
@@ -192,8 +200,29 @@ impl Transport {
         let chunks =
             ddo_core::plan_reads(pieces, ALIGN as u64, staging.buffer_bytes as u64, max_gap)
                 .map_err(|e| CudaError::InvalidArgument(e.to_string()))?;
-        let copy_bytes = pieces.iter().map(|p| p.len).sum();
-        let read_bytes = chunks.iter().map(|c| c.len).sum();
+        // plan_reads checked that no piece's end wraps; the sums are checked here
+        let too_big = || {
+            CudaError::InvalidArgument(format!(
+                "a unit of {} pieces adds up to more than 2^64 bytes",
+                pieces.len()
+            ))
+        };
+        let copy_bytes = pieces
+            .iter()
+            .try_fold(0u64, |a, p| a.checked_add(p.len))
+            .ok_or_else(too_big)?;
+        let read_bytes = chunks
+            .iter()
+            .try_fold(0u64, |a, c| a.checked_add(c.len))
+            .ok_or_else(too_big)?;
+        // the slot must hold up to the end of the farthest piece
+        let span = pieces
+            .iter()
+            .filter(|p| p.len > 0)
+            .map(|p| p.dst + p.len)
+            .max()
+            .unwrap_or(0);
+        let span = usize::try_from(span).map_err(|_| too_big())?;
         let chunks = chunks
             .into_iter()
             .map(|c| (Arc::clone(&self.files[c.file]), c))
@@ -202,6 +231,7 @@ impl Transport {
             chunks,
             copy_bytes,
             read_bytes,
+            span,
         }));
         Ok(self.file_units.len() - 1)
     }
@@ -216,13 +246,14 @@ impl Transport {
                 self.file_units.len()
             ))
         })?;
+        crate::host::check_host_range("file fetch destination", dst, fu.span)?;
         let stager = self.stager.as_mut().ok_or_else(|| {
             CudaError::InvalidArgument("units read from files need a staging ring".into())
         })?;
         self.stats.fetches += 1;
-        self.stats.bytes += fu.copy_bytes;
+        self.stats.bytes = self.stats.bytes.saturating_add(fu.copy_bytes);
         self.stats.file_fetches += 1;
-        self.stats.disk_bytes += fu.read_bytes;
+        self.stats.disk_bytes = self.stats.disk_bytes.saturating_add(fu.read_bytes);
         self.pending[slot] = stager.submit(Job {
             slot,
             dst,
@@ -237,7 +268,8 @@ impl Transport {
         if let Some(stager) = self.stager.as_ref() {
             let t0 = Instant::now();
             stager.wait(self.pending[slot])?;
-            self.stats.host_wait_ns += t0.elapsed().as_nanos() as u64;
+            let waited = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.stats.host_wait_ns = self.stats.host_wait_ns.saturating_add(waited);
         }
         if let Some(ev) = self.events.as_deref() {
             let _ctx = self.bind()?;
@@ -274,6 +306,46 @@ impl Transport {
         }
         staged
     }
+}
+
+/// Most staging buffers and most threads per ring (presets use a few of each).
+pub const MAX_STAGING_BUFFERS: usize = 1024;
+pub const MAX_THREADS: usize = 1024;
+
+/// Checks the slot count and the staging ring's shape before anything is allocated: a count or a
+/// size from a caller must not reach an allocation that aborts the process.
+fn check_config(slots: usize, staging: Option<&Staging>) -> Result<()> {
+    let bad = |msg: String| Err(CudaError::InvalidArgument(msg));
+    let max_slots = ddo_core::MAX_SLOTS;
+    if !(1..=max_slots).contains(&slots) {
+        return bad(format!(
+            "a transport has 1 to {max_slots} slots, got {slots} (the planner's plan says how many)"
+        ));
+    }
+    let Some(st) = staging else {
+        return Ok(());
+    };
+    if !(1..=MAX_STAGING_BUFFERS).contains(&st.buffers) {
+        return bad(format!(
+            "a staging ring has 1 to {MAX_STAGING_BUFFERS} buffers, got {}",
+            st.buffers
+        ));
+    }
+    if st.threads > MAX_THREADS {
+        return bad(format!(
+            "a staging ring uses at most {MAX_THREADS} threads, got {}",
+            st.threads
+        ));
+    }
+    let total = st.buffers.checked_mul(st.buffer_bytes);
+    if st.buffer_bytes == 0 || total.is_none_or(|t| t > isize::MAX as usize) {
+        return bad(format!(
+            "a staging ring of {} buffers of {} bytes: each buffer needs at least one byte and \
+             the ring must fit in memory (a few buffers of 64 MiB are usual)",
+            st.buffers, st.buffer_bytes
+        ));
+    }
+    Ok(())
 }
 
 /// Queues an asynchronous host-to-device copy on `stream`.
@@ -551,6 +623,37 @@ mod tests {
             t.acquire(5, Stream(0)),
             Err(CudaError::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn sizes_from_callers_are_checked_before_allocating() {
+        let ring = |buffers, buffer_bytes, threads| Staging {
+            buffers,
+            buffer_bytes,
+            threads,
+            pinned: false,
+            stage_host: true,
+        };
+        for (slots, staging, want) in [
+            (1 << 40, None, "1 to 1024 slots, got 1099511627776"),
+            (0, None, "got 0"),
+            (2, Some(ring(1 << 40, 1, 1)), "1 to 1024 buffers"),
+            (2, Some(ring(4, usize::MAX / 2, 1)), "must fit in memory"),
+            (2, Some(ring(4, 4096, 1 << 40)), "at most 1024 threads"),
+        ] {
+            let err = Transport::new(Target::Cpu, slots, staging).err().unwrap();
+            assert!(matches!(err, CudaError::InvalidArgument(_)), "{err}");
+            assert!(err.to_string().contains(want), "want {want:?} in {err}");
+        }
+        let mut t = Transport::new(Target::Cpu, 2, Some(ring(2, 4096, 1))).unwrap();
+        let src = [1u8; 16];
+        let err = t.fetch(0, 0, src.as_ptr() as usize, 16).unwrap_err();
+        assert!(err.to_string().contains("null pointer"), "{err}");
+        let err = t
+            .fetch(0, usize::MAX - 8, src.as_ptr() as usize, 16)
+            .unwrap_err();
+        assert!(err.to_string().contains("past the end"), "{err}");
+        assert_eq!(t.stats().fetches, 0);
     }
 
     #[test]

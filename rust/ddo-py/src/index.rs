@@ -74,16 +74,20 @@ impl SafetensorsIndex {
             ))
         })?;
         let inner = &self.inner;
-        py.detach(|| ddo_cuda::read_fd_into(inner.file(), &[(offset, n, dst)]))
-            .map_err(|e| {
-                CheckpointError::new_err(format!("reading tensor {name:?} of {path}: {e}"))
+        py.detach(|| ddo_cuda::read_fd_into(inner.file(), inner.path(), &[(offset, n, dst)]))
+            .map_err(|e| match e {
+                ddo_cuda::CudaError::Read(m) => {
+                    CheckpointError::new_err(format!("tensor {name:?}: {m}"))
+                }
+                other => cuda_err(other),
             })?;
         Ok(nbytes)
     }
 }
 
 /// Reads `(file_offset, nbytes, dst_address)` ranges of `path` into host memory in parallel, with
-/// positional reads (no memory map), GIL released. A short file raises `CheckpointError`.
+/// positional reads (no memory map), GIL released. A range past the end of the file raises
+/// `CheckpointError`; a null or wrapping destination `ConfigError` (before anything is read).
 #[pyfunction]
 fn read_file_into(
     py: Python<'_>,
@@ -91,7 +95,10 @@ fn read_file_into(
     jobs: Vec<(u64, usize, usize)>,
 ) -> PyResult<()> {
     py.detach(|| ddo_cuda::read_file_into(&path, &jobs))
-        .map_err(|e| CheckpointError::new_err(format!("reading {}: {e}", path.display())))
+        .map_err(|e| match e {
+            ddo_cuda::CudaError::Read(m) => CheckpointError::new_err(m),
+            other => cuda_err(other),
+        })
 }
 
 /// Measures the disk's read bandwidth on `path`: reads up to `max_bytes` from its start with the

@@ -4,7 +4,7 @@ use ddo_core::{PlanRequest, RamCacheRequest, SimResult};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::core_err;
+use crate::errors::{core_err, ConfigError};
 
 /// Plans a component: which units stay resident, how many slots stream the rest. Returns a dict
 /// with the fields of `ddo_core::Plan`.
@@ -90,8 +90,14 @@ fn plan_ram_cache<'py>(
 /// The smallest VRAM budget that yields a valid plan, in bytes.
 #[pyfunction]
 #[pyo3(signature = (unit_bytes, base_bytes, min_slots=2))]
-fn minimum_budget(unit_bytes: Vec<u64>, base_bytes: u64, min_slots: usize) -> u64 {
-    ddo_core::minimum_budget(&unit_bytes, base_bytes, min_slots).bytes
+fn minimum_budget(unit_bytes: Vec<u64>, base_bytes: u64, min_slots: usize) -> PyResult<u64> {
+    let max = ddo_core::MAX_SLOTS;
+    if !(1..=max).contains(&min_slots) {
+        return Err(ConfigError::new_err(format!(
+            "min_slots = {min_slots}: a plan streams through 1 to {max} slots (normally 2)"
+        )));
+    }
+    Ok(ddo_core::minimum_budget(&unit_bytes, base_bytes, min_slots).bytes)
 }
 
 /// Simulates the copy and compute streams; returns `(step_s, first_pass_s, compute_wait_s, link_busy_s)`.
@@ -110,6 +116,17 @@ fn simulate(
     from_disk: Option<Vec<bool>>,
     disk_bytes_per_s: Option<f64>,
 ) -> PyResult<(f64, f64, f64, f64)> {
+    ddo_core::check_sim_inputs(
+        &unit_bytes,
+        &unit_compute_s,
+        &resident,
+        from_disk.as_deref(),
+        slots,
+        link_bytes_per_s,
+        disk_bytes_per_s,
+        passes,
+    )
+    .map_err(core_err)?;
     let r = match (from_disk, disk_bytes_per_s) {
         (Some(disk), Some(bw)) => ddo_core::simulate_disk(
             &unit_bytes,
@@ -147,21 +164,24 @@ fn simulate(
 
 /// Lays out one unit's tensors at 256-byte aligned offsets: `(offsets, unit_nbytes)`.
 #[pyfunction]
-fn layout_unit(tensor_bytes: Vec<u64>) -> (Vec<u64>, u64) {
-    let l = ddo_core::layout_unit(&tensor_bytes);
-    (l.offsets, l.nbytes)
+fn layout_unit(tensor_bytes: Vec<u64>) -> PyResult<(Vec<u64>, u64)> {
+    let l = ddo_core::layout_unit(&tensor_bytes).map_err(core_err)?;
+    Ok((l.offsets, l.nbytes))
 }
+
+/// `(slab_sizes, [(slab, offset, nbytes)])`.
+type Slabs = (Vec<u64>, Vec<(usize, u64, u64)>);
 
 /// Packs units into slabs of at most `max_slab_bytes`: `(slab_sizes, [(slab, offset, nbytes)])`.
 #[pyfunction]
-fn layout_slabs(unit_bytes: Vec<u64>, max_slab_bytes: u64) -> (Vec<u64>, Vec<(usize, u64, u64)>) {
-    let l = ddo_core::layout_slabs(&unit_bytes, max_slab_bytes);
+fn layout_slabs(unit_bytes: Vec<u64>, max_slab_bytes: u64) -> PyResult<Slabs> {
+    let l = ddo_core::layout_slabs(&unit_bytes, max_slab_bytes).map_err(core_err)?;
     let placements = l
         .placements
         .iter()
         .map(|p| (p.slab, p.offset, p.nbytes))
         .collect();
-    (l.slabs, placements)
+    Ok((l.slabs, placements))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -23,10 +23,12 @@ fn cuda_driver_version() -> PyResult<i32> {
     ddo_cuda::driver_version().map_err(cuda_err)
 }
 
-/// Many host copies `(dst, src, nbytes)` in parallel, with the GIL released.
+/// Many host copies `(dst, src, nbytes)` in parallel, with the GIL released. A null, wrapping or
+/// overlapping range raises `ConfigError` before any copy runs.
 #[pyfunction]
-fn copy_host_many(py: Python<'_>, jobs: Vec<(usize, usize, usize)>) {
-    py.detach(|| ddo_cuda::copy_host_many(&jobs));
+fn copy_host_many(py: Python<'_>, jobs: Vec<(usize, usize, usize)>) -> PyResult<()> {
+    py.detach(|| ddo_cuda::copy_host_many(&jobs))
+        .map_err(cuda_err)
 }
 
 /// A page-locked range of host memory owned by a Python object (a tensor), which this object keeps
