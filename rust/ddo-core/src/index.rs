@@ -539,6 +539,10 @@ impl SafetensorsIndex {
             path: shown.clone(),
             reason,
         };
+        // A FIFO or a device would block the open or the reads forever: refuse it before opening.
+        if !std::fs::metadata(path).map_err(io)?.is_file() {
+            return Err(bad("not a regular file".into()));
+        }
         let file = File::open(path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {

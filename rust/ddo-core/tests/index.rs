@@ -416,6 +416,14 @@ fn missing_file_is_io_error() {
     let err = SafetensorsIndex::open(dir.path().join("nope.safetensors")).unwrap_err();
     assert!(matches!(err, CoreError::Io { .. }), "{err:?}");
     assert!(err.to_string().contains("nope.safetensors"));
+    let fifo = dir.path().join("pipe.safetensors");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let err = SafetensorsIndex::open(&fifo).unwrap_err(); // would block forever if opened
+    assert!(err.to_string().contains("not a regular file"), "{err}");
     let err = SafetensorsIndex::open(dir.path()).unwrap_err();
     assert!(
         err.to_string().contains("not a regular file") || matches!(err, CoreError::Io { .. }),
