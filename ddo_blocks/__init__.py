@@ -9,7 +9,7 @@ Quick start::
     handle.remove()                      # restores the module exactly
 """
 
-from . import presets
+from . import presets, routes
 from ._native import __version__
 from .api import (
     OffloadHandle,
@@ -21,8 +21,6 @@ from .api import (
     resolve_device,
 )
 from .budget import fmt_bytes, parse_bytes
-from .engine import diffusers_compat as _diffusers_compat
-from .engine.slabs import release_warm_slabs, warm_bytes
 from .errors import (
     BudgetError,
     CheckpointError,
@@ -36,8 +34,7 @@ from .errors import (
 )
 from .loading import from_pretrained
 from .report import Report
-
-_diffusers_compat.register()  # route "diffusers": official group offloading
+from .streaming.slabs import release_warm_slabs, warm_bytes
 
 
 def __getattr__(name: str):
@@ -73,6 +70,7 @@ __all__ = [
     "offload",
     "parse_bytes",
     "presets",
+    "routes",
     "release_warm_slabs",
     "resolve_device",
     "warm_bytes",

@@ -23,7 +23,7 @@ def _doctor() -> int:
         return 0
     print(f"CUDA driver {_native.cuda_driver_version()}, {_native.cuda_device_count()} device(s)")
     if torch.cuda.is_available():
-        from .engine.bandwidth import link_bytes_per_s
+        from .streaming.bandwidth import link_bytes_per_s
 
         dev = torch.device("cuda", torch.cuda.current_device())
         print(f"{torch.cuda.get_device_name(dev)}: pinned host->device {link_bytes_per_s(dev) / 1e9:.1f} GB/s")

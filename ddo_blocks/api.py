@@ -3,23 +3,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
-import psutil
 import torch
 from torch import nn
 
-from . import _native, env
-from .budget import fmt_bytes, parse_bytes
-from .engine import guards
-from .engine.linear import LinearEngine
-from .engine.resident import OffEngine, ResidentEngine
-from .errors import BudgetError, ConfigError, CudaNotAvailableError, OffloadStateError
-from .presets import HostMode, Preset, resolve
+from . import _native, env, routes
+from .budget import parse_bytes
+from .errors import ConfigError, CudaNotAvailableError, OffloadStateError
 from .report import Report, build_report
-from .units import span_nbytes, split_units, tensor_nbytes
+from .routes.spec import Engine, EngineRequest, Preset, UnitInfo
+from .streaming import guards
 
 _ATTR = "_ddo_offload"
 _UNUSABLE_ATTR = "_ddo_unusable"
@@ -61,7 +56,7 @@ class OffloadHandle:
     to restore the module exactly (same parameters, same values, same devices as before).
     """
 
-    def __init__(self, module: nn.Module, engine: Any, *, route: str, preset: Preset, requested: str,
+    def __init__(self, module: nn.Module, engine: Engine, *, route: str, preset: Preset, requested: str,
                  component: str | None, vram_budget: int | None, device: torch.device):
         self.module = module
         self.engine = engine
@@ -80,7 +75,14 @@ class OffloadHandle:
 
     @property
     def plan(self) -> dict[str, Any] | None:
+        """The planner's choice (streaming routes): ``resident`` flags per unit, ``slots``, ..."""
         return getattr(self.engine, "plan", None)
+
+    @property
+    def units(self) -> tuple[UnitInfo, ...]:
+        """The component's units in definition order, each streamed or resident (streaming routes;
+        empty for the others)."""
+        return self.engine.unit_infos()
 
     def report(self) -> Report:
         """The measured record of this offload (see ``ddo_blocks.report``)."""
@@ -150,8 +152,8 @@ def offload(
         route: ``"linear"`` (stream through GPU slots), ``"resident"``, ``"off"``, ``"diffusers"``, or
             ``"nvme"`` (stream from the safetensors files: only through
             ``ddo_blocks.from_pretrained(..., route="nvme")``, which knows the files; a module that is
-            already loaded raises ``ConfigError``).
-        preset: the route's policy; ``python -m ddo_blocks presets`` lists them. ``"auto"`` chooses.
+            already loaded raises ``ConfigError``). ``python -m ddo_blocks presets`` lists them.
+        preset: the route's policy; ``"auto"`` chooses.
         vram_budget: bytes or a string such as ``"6GiB"`` for the component's weights on the device
             (activations come on top). ``None``: no limit (everything resident).
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (the same engine, slots in host memory).
@@ -169,20 +171,17 @@ def offload(
         OffloadStateError: the module is already offloaded.
         OffloadMemoryError: out of GPU memory while setting up (the module is restored).
     """
-    if not isinstance(module, nn.Module):
-        raise ConfigError(f"offload() needs a torch.nn.Module, got {type(module).__name__}")
+    _check_is_module(module, "offload()")
     _check_not_offloaded(module)
-    if route in ("linear", "resident", "nvme"):
-        from .engine.diffusers_compat import foreign_offload
-
-        conflict = foreign_offload(module)
+    spec = routes.get(route)
+    routes.resolve(route, preset)  # names first: errors list the valid ones
+    if spec.places_weights:
+        conflict = guards.foreign_offload(module)
         if conflict is not None:
             raise OffloadStateError(f"{type(module).__name__} {conflict}")
-    resolve(route, preset)  # names first: errors list the valid ones
     budget = parse_bytes(vram_budget, what="vram_budget")
     dev = resolve_device(device)
-    params = list(module.parameters())
-    if not params:
+    if next(module.parameters(), None) is None:
         raise ConfigError(
             f"{type(module).__name__} has no parameters: there is nothing to offload; use route='off'"
         )
@@ -190,19 +189,30 @@ def offload(
     loader = options.pop("_loader", None)
     if loader is None:
         _check_not_meta(module)
-    if loader is not None and route not in _LOADER_ROUTES:
+    elif not spec.reads_files:
         _materialize(module, loader)  # other routes start from an ordinary CPU module
-    elif loader is not None:
-        options["_loader"] = loader
-    chosen, engine = _ENGINES[route](module, preset, budget, dev, options)
+        loader = None
+    chosen, engine = spec.factory(EngineRequest(module, preset, budget, dev, options, loader))
     engine.attach()
-    handle = OffloadHandle(module, engine, route=route, preset=chosen, requested=preset, component=component,
+    handle = OffloadHandle(module, engine, route=spec.name, preset=chosen, requested=preset, component=component,
                            vram_budget=budget, device=dev)
     setattr(module, _ATTR, handle)
     if getattr(engine, "owns_placement", False):
         handle._guard = guards.ConversionGuard(module, dev, lambda: repr(handle))
         handle._guard.install(handle)
     return handle
+
+
+def _check_is_module(module: Any, what: str) -> None:
+    if isinstance(module, nn.Module):
+        return
+    if hasattr(module, "components") and isinstance(getattr(module, "components", None), dict):
+        named = [n for n, c in module.components.items() if isinstance(c, nn.Module)]
+        raise ConfigError(
+            f"{what} takes one component (a torch.nn.Module), got the pipeline {type(module).__name__}; pass one "
+            f"of its components ({', '.join(f'pipe.{n}' for n in named) or 'none with weights'})"
+        )
+    raise ConfigError(f"{what} needs a torch.nn.Module, got {type(module).__name__}")
 
 
 def _check_not_offloaded(module: nn.Module) -> None:
@@ -244,17 +254,6 @@ def _check_not_meta(module: nn.Module) -> None:
         )
 
 
-EngineFactory = Callable[[nn.Module, str, "int | None", torch.device, dict], "tuple[Preset, Any]"]
-
-
-def _no_options(route: str, options: dict) -> None:
-    if options:
-        raise ConfigError(
-            f"route {route!r} does not take {', '.join(sorted(options))}; "
-            + ("its only option is units='auto'|'block'|'child'" if route == "linear" else "it takes no options")
-        )
-
-
 def _materialize(module: nn.Module, loader: Any) -> None:
     cpu = torch.device("cpu")
     for p in module.parameters():
@@ -262,82 +261,14 @@ def _materialize(module: nn.Module, loader: Any) -> None:
             loader.materialize(p, cpu)
 
 
-def _linear(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
-    loader = options.pop("_loader", None)
-    units_opt = options.pop("units", "auto")
-    _no_options("linear", options)
-    units, _ = split_units(module)
-    streamed_guess = sum(span_nbytes(p) for u in units for _, p in u.params)
-    chosen = resolve("linear", preset, streamed_bytes=streamed_guess, total_ram=psutil.virtual_memory().total)
-    if chosen.host is HostMode.CALLER:
-        return chosen, OffEngine(module, dev)
-    return chosen, LinearEngine(module, chosen, budget, dev, loader=loader, units=units_opt)
-
-
-def _nvme(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
-    from .engine.nvme import NvmeEngine
-
-    loader = options.pop("_loader", None)
-    units_opt = options.pop("units", "auto")
-    ram_budget = parse_bytes(options.pop("ram_budget", None), what="ram_budget")
-    if options:
-        raise ConfigError(f"route 'nvme' does not take {', '.join(sorted(options))}; its options are ram_budget and "
-                          "units='auto'|'block'|'child'")
-    chosen = resolve("nvme", preset)
-    if loader is None:
-        raise ConfigError(
-            f"route='nvme' streams weights from the model's safetensors files, and this {type(module).__name__} is "
-            "already loaded (its files are unknown); load it with ddo_blocks.from_pretrained(ModelClass, path, "
-            "route='nvme', ram_budget=..., vram_budget=..., device=...), or use route='linear' for a module in RAM"
-        )
-    return chosen, NvmeEngine(module, chosen, budget, dev, loader=loader, units=units_opt, ram_budget=ram_budget,
-                              ram_auto=preset == "auto")
-
-
-def _resident(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
-    _no_options("resident", options)
-    engine = ResidentEngine(module, dev)
-    if budget is not None and engine.gpu_bytes > budget:
-        raise BudgetError(
-            f"route='resident' puts all {fmt_bytes(engine.gpu_bytes)} of {type(module).__name__} on {dev}, more than "
-            f"vram_budget={fmt_bytes(budget)}; raise the budget or use route='linear', which streams what does not fit"
-        )
-    return resolve("resident", preset), engine
-
-
-def _off(module: nn.Module, preset: str, budget: int | None, dev: torch.device, options: dict) -> tuple[Preset, Any]:
-    _no_options("off", options)
-    return resolve("off", preset), OffEngine(module, dev)
-
-
-_ENGINES: dict[str, EngineFactory] = {"linear": _linear, "resident": _resident, "off": _off, "nvme": _nvme}
-_LOADER_ROUTES = ("linear", "nvme")
-"""Routes whose engines read a ``from_pretrained`` model's weights from the files themselves."""
-
-
-def register_route(name: str, factory: EngineFactory) -> None:
-    """Registers a route's engine factory (its presets go in ``presets.ROUTES``)."""
-    _ENGINES[name] = factory
-
-
 def minimum_budget(module: nn.Module, *, units: str = "auto") -> int:
     """The smallest ``vram_budget`` (bytes) the linear route accepts for ``module``: always-resident
     weights plus two slots of the largest unit, at the given unit granularity (``auto``: the lower
     of blocks and their children)."""
-    from . import _native
-    from .units import GRANULARITIES
+    from .streaming import plan
 
-    if units not in ("auto", *GRANULARITIES):
-        raise ConfigError(f"units={units!r} is not a unit granularity; use 'auto', 'block' or 'child'")
-    buffers = sum(tensor_nbytes(b) for b in module.buffers())
-    best = None
-    for granularity in GRANULARITIES if units == "auto" else (units,):
-        found, leftovers = split_units(module, granularity)
-        base = sum(tensor_nbytes(p) for _, p in leftovers) + buffers
-        sizes = [_native.layout_unit([span_nbytes(p) for _, p in u.params])[1] for u in found]
-        need = _native.minimum_budget(sizes, base)
-        best = need if best is None else min(best, need)
-    return int(best)
+    _check_is_module(module, "minimum_budget()")
+    return plan.minimum_budget(module, units)
 
 
 def get_handle(module: nn.Module) -> OffloadHandle | None:

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from . import _native
-from .engine.upload import STAGING_BYTES, staged_upload
 from .errors import CheckpointError, ConfigError
+from .streaming.upload import STAGING_BYTES, staged_upload
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import html
 import json
 import resource
-import statistics
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -149,12 +148,9 @@ def _fmt(key: str, value: Any) -> str:
     return str(value)
 
 
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def roofline_bound(engine: Any, calibrated: dict[str, Any] | None, fastest: float | None,
-                   calls: list[Any]) -> dict[str, Any]:
+def roofline_bound(*, link_bytes_per_s: float, streamed_bytes: int, calibrated_compute_s: float | None,
+                   fastest_call_s: float | None, call_h2d_bytes: int | None,
+                   disk: tuple[float, int] | None = None) -> dict[str, Any]:
     """The roofline ``max(compute, streamed bytes / link, disk bytes / disk)``, built only from
     figures that no call can beat, so ``efficiency = bound / median call <= 1`` by construction:
 
@@ -164,24 +160,25 @@ def roofline_bound(engine: Any, calibrated: dict[str, Any] | None, fastest: floa
       a later call beats (``compute_capped`` says when it did);
     - link: the probe's bandwidth, or the rate a call actually moved its bytes at if that was faster
       (a probe that underestimates the link cannot make the transfer term exceed a call);
-    - disk (NVMe route): the disk bytes per call at the disk's measured rate, or at the rate a call
-      read them if that was faster.
+    - disk (``(rate, bytes per call)``, the NVMe route): the disk bytes per call at the disk's
+      measured rate, or at the rate a call read them if that was faster.
     """
-    link = engine.link_bytes_per_s
-    if fastest and calls and calls[-1].h2d_bytes:
-        link = max(link, calls[-1].h2d_bytes / fastest)
-    transfer = engine.streamed_bytes / link if link else None
+    fastest = fastest_call_s
+    link = link_bytes_per_s
+    if fastest and call_h2d_bytes:
+        link = max(link, call_h2d_bytes / fastest)
+    transfer = streamed_bytes / link if link else None
     fields: dict[str, Any] = {"link_gb_s": link / 1e9, "transfer_bound_s": transfer}
-    disk = None
-    disk_rate = getattr(engine, "disk_bytes_per_s", None)  # the nvme route: bytes read from disk per call
-    if disk_rate:
-        if fastest and engine.disk_bytes:
-            disk_rate = max(disk_rate, engine.disk_bytes / fastest)
-        disk = engine.disk_bytes / disk_rate
-        fields.update(disk_gb_s=disk_rate / 1e9, disk_bound_s=disk)
-    measured = calibrated["compute_s"] if calibrated else None
+    disk_s = None
+    if disk is not None:
+        rate, nbytes = disk
+        if fastest and nbytes:
+            rate = max(rate, nbytes / fastest)
+        disk_s = nbytes / rate
+        fields.update(disk_gb_s=rate / 1e9, disk_bound_s=disk_s)
+    measured = calibrated_compute_s
     compute = min(measured, fastest) if measured is not None and fastest else measured
-    bound = max(compute, transfer or 0.0, disk or 0.0) if compute is not None else None
+    bound = max(compute, transfer or 0.0, disk_s or 0.0) if compute is not None else None
     return {
         **fields,
         "calibrated_compute_s": measured,
@@ -192,8 +189,8 @@ def roofline_bound(engine: Any, calibrated: dict[str, Any] | None, fastest: floa
 
 
 def build_report(handle: OffloadHandle) -> Report:
-    from .engine.linear import LinearEngine  # local: avoid an import cycle
-
+    """The report of an offload: what was asked (the handle), the process's memory, and the
+    sections the route's engine contributes (``engine.report_sections()``)."""
     engine = handle.engine
     dev = handle.device
     data: dict[str, Any] = {
@@ -206,82 +203,24 @@ def build_report(handle: OffloadHandle) -> Report:
         "device": str(dev),
         "active": not handle.removed,
     }
-    plan: dict[str, Any] = {"vram_budget": handle.vram_budget}
-    setup: dict[str, Any] = {"seconds": getattr(engine, "setup_s", None)}
-    runtime: dict[str, Any] = {}
-    roofline: dict[str, Any] = {}
-    pinned = 0
-    if isinstance(engine, LinearEngine):
-        p = engine.plan
-        slabs = engine.slabs
-        pinned = slabs.pinned_bytes if slabs is not None else 0
-        plan.update(
-            unit_granularity=engine.granularity,
-            units=len(engine.units),
-            resident_units=len(engine.resident_units),
-            streamed_units=len(engine.streamed),
-            resident_bytes=engine.resident_bytes,
-            streamed_bytes=engine.streamed_bytes,
-            slots=engine.n_slots,
-            slot_bytes=engine.slot_bytes,
-            gpu_bytes=engine.gpu_bytes,
-            host_slab_bytes=slabs.nbytes if slabs is not None else 0,
-            staging_bytes=handle.preset.staging_bytes,
-            predicted_step_s=p["predicted_step_s"],
-        )
-        calibrated = engine.calibrated_prediction()
-        setup.update(
-            seconds=engine.stats.setup_s,
-            pack_s=engine.stats.pack_s,
-            packed_bytes=slabs.bytes_packed if slabs is not None else 0,
-            pack_gb_s=(slabs.bytes_packed / engine.stats.pack_s / 1e9)
-            if slabs is not None and engine.stats.pack_s > 0 and slabs.bytes_packed
-            else None,
-            warm_reused=bool(slabs.reused_warm) if slabs is not None else False,
-        )
-        calls = engine.call_records()
-        secs = [c.seconds for c in calls]
-        steady = secs[1:] if len(secs) > 1 else secs
-        fetches, total_bytes, host_wait = engine.transport_stats()
-        median = _median(steady)
-        fastest = min(steady) if steady else None
-        last_bytes = calls[-1].h2d_bytes if calls else None
-        runtime.update(
-            calls=len(calls),
-            first_call_s=secs[0] if secs else None,
-            median_call_s=median,
-            h2d_call_bytes=last_bytes,
-            h2d_gb_s=(last_bytes / median / 1e9) if median and last_bytes else None,
-            copies=fetches,
-            h2d_total_bytes=total_bytes,
-            misses=engine.stats.misses,
-            reorders=engine.stats.reorders,
-            order_changes=engine.stats.order_changes,
-            host_wait_s=host_wait,
-        )
-        roof_fields = roofline_bound(engine, calibrated, fastest, calls)
-        roof = roof_fields["bound_s"]
-        runtime.update(
-            calibrated_predicted_step_s=calibrated["predicted_step_s"] if calibrated else None,
-            compute_wait_s=calibrated["measured_wait_s"] if calibrated else None,
-        )
-        roofline.update(
-            **roof_fields,
-            efficiency=(roof / median) if roof and median else None,
-        )
-    elif hasattr(engine, "gpu_bytes"):
-        plan.update(gpu_bytes=engine.gpu_bytes)
     rss = psutil.Process().memory_info().rss
-    memory: dict[str, Any] = {
-        "gpu_peak_allocated": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
-        "gpu_peak_reserved": torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
-        "host_rss": rss,
-        "host_peak_rss": max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
-        "pinned_bytes": pinned,
+    sections: dict[str, dict[str, Any]] = {
+        "plan": {"vram_budget": handle.vram_budget},
+        "setup": {"seconds": engine.setup_s},
+        "runtime": {},
+        "memory": {
+            "gpu_peak_allocated": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+            "gpu_peak_reserved": torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
+            "host_rss": rss,
+            "host_peak_rss": max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+            "pinned_bytes": 0,
+        },
+        "roofline": {},
     }
-    data.update(plan=plan, setup=setup, runtime=runtime, memory=memory, roofline=roofline)
-    extra = getattr(engine, "report_extra", None)
-    if callable(extra):  # route-specific fields (the nvme route: RAM cache, disk, disk roofline)
-        for section, fields in extra().items():
-            data[section].update(fields)
+    for section, fields in engine.report_sections().items():
+        if isinstance(fields, dict):
+            sections.setdefault(section, {}).update(fields)
+        else:  # a list, such as the per-call timeline
+            sections[section] = fields
+    data.update(sections)
     return Report(data)

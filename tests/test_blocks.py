@@ -223,7 +223,10 @@ def test_budget_below_the_largest_unit_is_a_budget_error(components):
 def test_resident_over_budget_says_use_linear(components):
     blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="off",
                              denoise={"route": "resident", "vram_budget": "64KiB"})
-    snaps = _run_expecting(blocks, components, ConfigError, "over its vram_budget of 64.00 KiB; use route='linear'")
+    # the same class and words as offload(route="resident") over budget: one check, in the route
+    snaps = _run_expecting(blocks, components, ddo_blocks.BudgetError,
+                           "stage 'denoise', component 'transformer': route='resident' puts all .* more than "
+                           "vram_budget=64.00 KiB; raise the budget or use route='linear'")
     assert_restored(components["transformer"], snaps["transformer"])
 
 
@@ -232,7 +235,8 @@ def test_route_the_component_cannot_use(components, monkeypatch):
     blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="off", denoise="off",
                              decode={"route": "diffusers"})
     snaps = _run_expecting(blocks, components, ConfigError,
-                           "stage 'decode': vae \\(AutoencoderKL\\) does not support diffusers group offloading.*"
+                           "stage 'decode', component 'vae': vae \\(AutoencoderKL\\) does not support diffusers group "
+                           "offloading.*"
                            "use route='linear' or route='resident'")
     assert_restored(components["vae"], snaps["vae"])
     assert ddo_blocks.get_handle(components["vae"]) is None

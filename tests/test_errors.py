@@ -127,7 +127,7 @@ def test_remove_twice(flux_state):
 
 def test_unknown_route_option(flux_state):
     flux, snap, x, ref = flux_state
-    with pytest.raises(ddo_blocks.ConfigError, match="does not take offload_type; its only option is units"):
+    with pytest.raises(ddo_blocks.ConfigError, match="does not take offload_type; its options are units"):
         ddo_blocks.offload(flux, device="cpu", offload_type="leaf_level")
     _still_usable(flux, snap, x, ref)
 
@@ -135,7 +135,7 @@ def test_unknown_route_option(flux_state):
 def test_failure_during_setup_rolls_back(flux_state, monkeypatch):
     """A failure in the middle of packing (here: injected on the third slab copy) restores the module."""
     flux, snap, x, ref = flux_state
-    from ddo_blocks.engine import slabs as slabs_mod
+    from ddo_blocks.streaming import slabs as slabs_mod
 
     calls = {"n": 0}
     real_view = slabs_mod.strided_view

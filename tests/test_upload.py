@@ -4,7 +4,7 @@ copies and the bookkeeping are real (on the GPU it runs in every resident placem
 import pytest
 import torch
 
-from ddo_blocks.engine import upload
+from ddo_blocks.streaming import upload
 
 
 class _Stream:

@@ -27,7 +27,6 @@ from diffusers.modular_pipelines import (
 from torch import nn
 
 from ..api import OffloadHandle, get_handle, offload, resolve_device
-from ..budget import fmt_bytes
 from ..errors import ConfigError, DdoError, OffloadStateError
 from ..report import Report
 from .policy import OffloadPolicy, default_policy, parse_stage_policy
@@ -76,7 +75,7 @@ def _remove_device_hook(module: nn.Module) -> None:
 
 
 def _foreign_offload(module: nn.Module) -> str | None:
-    from ..engine.diffusers_compat import foreign_offload
+    from ..streaming.guards import foreign_offload
 
     return foreign_offload(module)
 
@@ -147,7 +146,7 @@ class OffloadBlock(ModularPipelineBlocks):
         )
         for name, pol in self.component_policies.items():
             try:
-                pol.check_device(self.device)
+                pol.check(self.device)
             except ConfigError as exc:
                 raise ConfigError(f"stage {self.stage!r}, component {name!r}: {exc}") from None
         self._handles: dict[str, OffloadHandle] = {}
@@ -244,22 +243,10 @@ class OffloadBlock(ModularPipelineBlocks):
         conflict = _foreign_offload(module)
         if conflict is not None:
             raise OffloadStateError(f"stage {self.stage!r}: component {name!r} ({type(module).__name__}) {conflict}")
-        if policy.route == "diffusers":
-            from ..engine.diffusers_compat import check_module
-
-            try:
-                check_module(module, name)
-            except ConfigError as exc:
-                raise ConfigError(f"stage {self.stage!r}: {exc}") from None
-        if policy.route == "resident" and policy.vram_budget is not None:
-            size = sum(p.numel() * p.element_size() for p in module.parameters())
-            size += sum(b.numel() * b.element_size() for b in module.buffers())
-            if size > policy.vram_budget:
-                raise ConfigError(
-                    f"stage {self.stage!r}: component {name!r} needs {fmt_bytes(size)} on the device with "
-                    f"route='resident', over its vram_budget of {fmt_bytes(policy.vram_budget)}; use "
-                    "route='linear' to stream it within that budget"
-                )
+        try:
+            policy.check(self.device, module, name)
+        except DdoError as exc:  # name the stage; keep the class (BudgetError, ...)
+            raise type(exc)(f"stage {self.stage!r}, component {name!r}: {exc}") from None
         return None
 
     def place(self, components: Any) -> dict[str, OffloadHandle]:
@@ -282,7 +269,7 @@ class OffloadBlock(ModularPipelineBlocks):
                         raise type(exc)(f"stage {self.stage!r}, component {name!r}: {exc}") from exc
                     setattr(handle, _POLICY_ATTR, (policy, self.device))
                     created.append(name)
-                if policy.route in ("linear", "resident"):
+                if policy.spec.device_hook:
                     _add_device_hook(module, self.device)
                 self._handles[name] = handle
         except BaseException:
@@ -302,7 +289,7 @@ class OffloadBlock(ModularPipelineBlocks):
         hook stays, so the pipeline keeps resolving its execution device."""
         for name, policy in self.component_policies.items():
             handle = self._handles.get(name)
-            if policy.release and handle is not None and policy.route in ("linear", "resident"):
+            if policy.release and handle is not None and policy.spec.releasable:
                 self._handles.pop(name)
                 if not handle.removed:
                     handle.remove()
@@ -319,23 +306,13 @@ class OffloadBlock(ModularPipelineBlocks):
 
     # ------------------------------------------------------------------------------------------
     def _reports(self, stage_s: float, peak: int | None) -> dict[str, Report]:
+        """Each component's report (as ``handle.report()``) with this block's ``stage`` section."""
         out = {}
         for name, handle in self._handles.items():
             rep = handle.report()
-            fields = getattr(handle.engine, "report_fields", None)
-            if callable(fields):
-                rep.data["plan"].update(fields())
             rep.data["stage"] = {"name": self.stage, "run": self._runs, "seconds": stage_s,
                                  "gpu_peak_allocated": peak, "policy": self.component_policies[name].describe()}
             rep.data["runtime"]["stage_s"] = stage_s
-            calls = getattr(handle.engine, "call_records", None)
-            if callable(calls):
-                link = getattr(handle.engine, "link_bytes_per_s", None)
-                rep.data["timeline"] = [
-                    {"seconds": c.seconds, "h2d_bytes": c.h2d_bytes, "misses": c.misses,
-                     "copy_s": (c.h2d_bytes / link) if link else None}
-                    for c in calls()
-                ]
             out[name] = rep
         return out
 

@@ -18,24 +18,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import nn
 
+from .. import routes
 from ..budget import fmt_bytes, parse_bytes
 from ..errors import ConfigError
-from ..presets import ROUTES, resolve
 
 POLICY_KEYS = ("route", "preset", "vram_budget", "release")
-ROUTE_OPTIONS: dict[str, tuple[str, ...]] = {"linear": ("units",), "nvme": ("ram_budget", "units")}
-"""Options each route accepts besides the policy keys (the diffusers route's come from its engine).
-The nvme route needs the model's files, so a block's already-loaded component cannot use it:
-placing one raises ConfigError pointing to ``ddo_blocks.from_pretrained(..., route="nvme")``."""
+"""What every policy has; each route adds its own options (``routes.get(route).options``). A route
+that needs the model's files (nvme) cannot place a block's already-loaded component: placing one
+raises ConfigError pointing to ``ddo_blocks.from_pretrained(..., route="nvme")``."""
 
 
 def _route_options(route: str) -> tuple[str, ...]:
-    if route == "diffusers":
-        from ..engine.diffusers_compat import OPTION_NAMES
-
-        return OPTION_NAMES
-    return ROUTE_OPTIONS.get(route, ())
+    return routes.get(route).options
 
 
 @dataclass(frozen=True)
@@ -63,7 +59,7 @@ class OffloadPolicy:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        resolve(self.route, self.preset)  # names first: the errors list the valid ones
+        routes.resolve(self.route, self.preset)  # names first: the errors list the valid ones
         object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget, what="vram_budget"))
         if not isinstance(self.release, bool):
             raise ConfigError(f"release={self.release!r} must be True or False")
@@ -78,18 +74,16 @@ class OffloadPolicy:
             )
         object.__setattr__(self, "options", _FrozenOptions(opts))
 
-    def check_device(self, device: torch.device) -> None:
-        """Checks the options that depend on the device (streams need CUDA) before anything runs."""
-        if self.route == "diffusers":
-            from ..engine.diffusers_compat import check_options
+    @property
+    def spec(self) -> routes.RouteSpec:
+        return routes.get(self.route)
 
-            check_options(self.preset, dict(self.options), device)
-            if self.vram_budget is not None:
-                raise ConfigError(
-                    f"route 'diffusers' takes no vram_budget (got {fmt_bytes(self.vram_budget)}): group "
-                    "offloading keeps one group on the device at a time and cannot be bounded; drop "
-                    "vram_budget, or use route='linear' to stay within a budget"
-                )
+    def check(self, device: torch.device, module: nn.Module | None = None, name: str | None = None) -> None:
+        """The route's own checks before anything runs: the options for the device (streams need
+        CUDA), the budget, and the module when given (the same checks ``offload`` makes)."""
+        check = self.spec.check
+        if check is not None:
+            check(module, self.vram_budget, device, preset=self.preset, options=dict(self.options), name=name)
 
     def offload_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ddo_blocks.offload`` (without module, device and component)."""
@@ -113,8 +107,10 @@ class OffloadPolicy:
         if isinstance(value, OffloadPolicy):
             return value
         if isinstance(value, str):
-            if value not in ROUTES:
-                raise ConfigError(f"{where}: unknown route {value!r}; valid routes: {', '.join(ROUTES)}")
+            try:
+                routes.get(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
             if default is not None and default.route == value:
                 return default
             return cls(route=value, release=default.release if default is not None else False)
@@ -212,17 +208,16 @@ def parse_stage_policy(
 
 def _all_route_options() -> set[str]:
     out: set[str] = set()
-    for route in ROUTES:
-        out.update(_route_options(route))
+    for spec in routes.REGISTRY.values():
+        out.update(spec.options)
     return out
 
 
 # -------------------------------------------------------------------------------------------------
-# Defaults per DDO preset (documented in docs/blocks.md; keep the two in step)
+# Defaults per DDO pipeline preset (the table is routes.PIPELINE_PRESETS; docs/blocks.md shows it)
 # -------------------------------------------------------------------------------------------------
-STAGE_KINDS = ("text_encoder", "denoise", "decode")
-LINEAR_PRESET_NAMES = ("auto", "one_shot_fast", "low_ram_safe", "warm_process", "wsl_compat")
-PIPELINE_PRESETS = (*LINEAR_PRESET_NAMES, "diffusers_offload_compat", "diffusers_leaf_offload_compat", "resident", "off")
+STAGE_KINDS = routes.STAGE_KINDS
+PIPELINE_PRESETS = tuple(routes.PIPELINE_PRESETS)
 
 
 def stage_kind(stage: str) -> str:
@@ -237,18 +232,6 @@ def default_policy(stage: str, preset: str = "auto") -> OffloadPolicy:
     Follows the original DDO: the text encoders and the VAE on Diffusers leaf offloading, the
     transformer on the route of ``preset`` (the linear route for its presets).
     """
-    if preset not in PIPELINE_PRESETS:
-        raise ConfigError(f"unknown pipeline preset {preset!r}; valid: {', '.join(PIPELINE_PRESETS)}")
-    kind = stage_kind(stage)
-    if preset == "off":
-        return OffloadPolicy(route="off")
-    if preset == "resident":
-        return OffloadPolicy(route="resident", release=kind == "text_encoder")
-    leaf = OffloadPolicy(route="diffusers", preset="diffusers_leaf_offload_compat")
-    if kind == "text_encoder":
-        return replace(leaf, release=True)
-    if kind == "decode":
-        return leaf
-    if preset in LINEAR_PRESET_NAMES:
-        return OffloadPolicy(route="linear", preset=preset)
-    return OffloadPolicy(route="diffusers", preset=preset)
+    if preset not in routes.PIPELINE_PRESETS:
+        raise ConfigError(f"unknown pipeline preset {preset!r}; valid: {', '.join(routes.PIPELINE_PRESETS)}")
+    return OffloadPolicy(**routes.PIPELINE_PRESETS[preset][stage_kind(stage)])

@@ -15,7 +15,9 @@ copies). Three kinds of change would otherwise go unnoticed and give wrong tenso
   ``enable_model_cpu_offload``), which wrap ``forward`` and replace or move parameters: the engine
   checks at the start of every call that no such hook sits on the module, and refuses the call.
 
-All of it is removed again by ``remove()``.
+All of it is removed again by ``remove()``. ``foreign_offload`` finds offloading that something
+else attached *before* ours (diffusers group offloading, accelerate hooks), which ``offload()`` and
+the blocks refuse.
 """
 
 from __future__ import annotations
@@ -116,4 +118,30 @@ def offload_on_top(module: nn.Module) -> str | None:
         if hook is not None and not getattr(hook, "_ddo_owned", False):
             return (f"an accelerate hook{where} ({type(hook).__name__}: cpu_offload, enable_model_cpu_offload or "
                     "enable_sequential_cpu_offload)")
+    return None
+
+
+def foreign_offload(module: nn.Module) -> str | None:
+    """Describes offloading already attached to ``module`` by something else, or ``None``.
+
+    Looks for diffusers group offloading and accelerate hooks that move weights
+    (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``device_map``).
+    """
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+    if _is_group_offload_enabled(module):
+        return (
+            "already has diffusers group offloading (enable_group_offload / apply_group_offloading); "
+            "remove it first, or keep it and give this component route='off'"
+        )
+    for sub_name, sub in module.named_modules():
+        hook = getattr(sub, "_hf_hook", None)
+        if hook is None or getattr(hook, "_ddo_owned", False):
+            continue
+        where = f" on {sub_name}" if sub_name else ""
+        return (
+            f"already has an accelerate hook{where} ({type(hook).__name__}: enable_model_cpu_offload, "
+            "enable_sequential_cpu_offload or a device_map); remove it (accelerate.hooks.remove_hook_from_module"
+            "(module, recurse=True)) first, or keep it and give this component route='off'"
+        )
     return None

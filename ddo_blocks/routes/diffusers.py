@@ -30,9 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..budget import fmt_bytes
 from ..errors import ConfigError, OffloadMemoryError, OffloadStateError
-from ..presets import Preset, resolve
+from ..streaming import guards
 from ..units import own_copy
+from .spec import Engine, EngineRequest, HostMode, Preset, RouteSpec
 
 ROUTE = "diffusers"
 
@@ -99,7 +101,7 @@ def check_options(preset: str, options: dict[str, Any], device: torch.device) ->
         ConfigError: an unknown option or value, ``block_level`` without ``num_blocks_per_group``,
             ``record_stream`` without ``use_stream``, streams on a device without them.
     """
-    chosen = resolve(ROUTE, preset)
+    chosen = _preset(preset)
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
         raise ConfigError(
@@ -174,35 +176,9 @@ def check_module(module: nn.Module, name: str | None = None) -> None:
             f"{label} ({type(module).__name__}) does not support diffusers group offloading "
             "(_supports_group_offloading = False); use route='linear' or route='resident' for it"
         )
-    conflict = foreign_offload(module)
+    conflict = guards.foreign_offload(module)
     if conflict is not None:
         raise OffloadStateError(f"{label} {conflict}")
-
-
-def foreign_offload(module: nn.Module) -> str | None:
-    """Describes offloading already attached to ``module`` by something else, or ``None``.
-
-    Looks for diffusers group offloading and accelerate hooks that move weights
-    (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``device_map``).
-    """
-    from diffusers.hooks.group_offloading import _is_group_offload_enabled
-
-    if _is_group_offload_enabled(module):
-        return (
-            "already has diffusers group offloading (enable_group_offload / apply_group_offloading); "
-            "remove it first, or keep it and give this component route='off'"
-        )
-    for sub_name, sub in module.named_modules():
-        hook = getattr(sub, "_hf_hook", None)
-        if hook is None or getattr(hook, "_ddo_owned", False):
-            continue
-        where = f" on {sub_name}" if sub_name else ""
-        return (
-            f"already has an accelerate hook{where} ({type(hook).__name__}: enable_model_cpu_offload, "
-            "enable_sequential_cpu_offload or a device_map); remove it (accelerate.hooks.remove_hook_from_module"
-            "(module, recurse=True)) first, or keep it and give this component route='off'"
-        )
-    return None
 
 
 class DiffusersGroupOffloadEngine:
@@ -315,30 +291,73 @@ class DiffusersGroupOffloadEngine:
             shutil.rmtree(self._disk_dir, ignore_errors=True)
             self._disk_dir = None
 
-    def report_fields(self) -> dict[str, Any]:
-        """Route settings for the report's plan section."""
-        return self.options.as_report()
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    def report_sections(self) -> dict[str, dict[str, Any]]:
+        """The route's settings, in the report's plan section."""
+        return {"plan": self.options.as_report()}
+
+    def unit_infos(self) -> tuple:
+        return ()
 
 
-def diffusers_factory(
-    module: nn.Module, preset: str, budget: int | None, device: torch.device, options: dict
-) -> tuple[Preset, DiffusersGroupOffloadEngine]:
-    """The route's factory for ``ddo_blocks.offload(..., route="diffusers")``."""
-    chosen = resolve(ROUTE, preset)
+def check(module: nn.Module | None = None, budget: int | None = None, device: torch.device | None = None, *,
+          preset: str = "auto", options: dict[str, Any] | None = None, name: str | None = None) -> GroupOffloadOptions:
+    """Everything diffusers would reject later, before any weight moves: the budget (group
+    offloading cannot be bounded), the options for the device, the module (when given)."""
     if budget is not None:
         raise ConfigError(
-            f"route 'diffusers' takes no vram_budget (got {budget} bytes): group offloading keeps one group "
+            f"route 'diffusers' takes no vram_budget (got {fmt_bytes(budget)}): group offloading keeps one group "
             "(block_level) or one layer (leaf_level) on the device at a time and cannot be bounded; drop "
             "vram_budget, or use route='linear' to stay within a budget"
         )
-    opts = check_options(chosen.name, options, device)
-    check_module(module)
-    if getattr(module, "_ddo_offload", None) is not None:
-        raise OffloadStateError(f"{type(module).__name__} is already offloaded by ddo_blocks; remove that first")
-    return chosen, DiffusersGroupOffloadEngine(module, chosen, device, opts)
+    opts = check_options(_preset(preset).name, dict(options or {}), device or torch.device("cpu"))
+    if module is not None:
+        check_module(module, name)
+    return opts
 
 
-def register() -> None:
-    from ..api import register_route
+def _preset(name: str) -> Preset:
+    from . import resolve
 
-    register_route(ROUTE, diffusers_factory)
+    return resolve(ROUTE, name)
+
+
+def factory(req: EngineRequest) -> tuple[Preset, Engine]:
+    chosen = _preset(req.preset)
+    opts = check(req.module, req.budget, req.device, preset=chosen.name, options=req.options)
+    req.options.clear()
+    return chosen, DiffusersGroupOffloadEngine(req.module, chosen, req.device, opts)
+
+
+PRESETS = (
+    Preset(
+        "diffusers",
+        "diffusers_offload_compat",
+        "official diffusers group offloading, block_level, 1 block per group, use_stream on CUDA "
+        "(options: offload_type, use_stream, record_stream, low_cpu_mem_usage, num_blocks_per_group, "
+        "offload_to_disk_path)",
+        HostMode.DIFFUSERS_HOOKS,
+        host_ram_ratio="1.0x; ~2.6x stream",
+    ),
+    Preset(
+        "diffusers",
+        "diffusers_leaf_offload_compat",
+        "official diffusers group offloading, leaf_level (every Linear/Conv/Embedding its own group), "
+        "use_stream on CUDA",
+        HostMode.DIFFUSERS_HOOKS,
+        host_ram_ratio="1.0x; ~1.6x stream",
+    ),
+)
+
+SPEC = RouteSpec(
+    name=ROUTE,
+    summary="delegate to diffusers' official group offloading",
+    presets=PRESETS,
+    factory=factory,
+    options=OPTION_NAMES,
+    check=check,
+)
+SPECS = (SPEC,)

@@ -1,0 +1,116 @@
+"""The linear route: a component's repeated blocks stream through K device slots from host slabs
+(pinned, or pageable through a staging ring), the rest stays resident; cyclic prefetch, a static
+resident set from the planner. The default route."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import psutil
+
+from ..units import span_nbytes, split_units
+from .spec import Engine, EngineRequest, HostMode, Preset, RouteSpec, refuse_unknown, staging_threads
+
+PRESETS = (
+    Preset(
+        "linear",
+        "one_shot_fast",
+        "pinned exact-size slabs (host RAM ~1.0x streamed weights), one async copy per unit, "
+        "cyclic prefetch; slabs freed on remove()",
+        HostMode.PINNED_SLABS,
+    ),
+    Preset(
+        "linear",
+        "warm_process",
+        "as one_shot_fast, but the pinned slabs stay for the process and are reused without "
+        "copying or pinning when the same weights are offloaded again",
+        HostMode.PINNED_SLABS,
+        keep_warm=True,
+    ),
+    Preset(
+        "linear",
+        "low_ram_safe",
+        "no pinned copy of the weights: pageable slabs pass through a 4 x 64 MiB pinned staging "
+        "ring filled by several threads (host RAM ~1.0x + 256 MiB)",
+        HostMode.PAGEABLE_STAGED,
+        staging_buffers=4,
+        staging_buffer_mib=64,
+        staging_threads=staging_threads(),
+        host_ram_ratio="1.0x + 256 MiB",
+    ),
+    Preset(
+        "linear",
+        "wsl_compat",
+        "no large page-locked regions (WSL2 limits them): pageable slabs through a 4 x 16 MiB "
+        "pinned staging ring",
+        HostMode.PAGEABLE_STAGED,
+        staging_buffers=4,
+        staging_buffer_mib=16,
+        staging_threads=staging_threads(),
+        host_ram_ratio="1.0x + 64 MiB",
+    ),
+    Preset(
+        "linear",
+        "off",
+        "attach nothing: the caller owns placement (the report still records the component)",
+        HostMode.CALLER,
+        host_ram_ratio="unchanged",
+    ),
+)
+
+
+PIN_RAM_FRACTION = 0.5
+"""``auto`` page-locks the streamed weights only when they are at most this fraction of physical RAM:
+page-locked memory cannot be swapped or reclaimed, and the rest of the system needs the remainder."""
+
+
+def is_wsl() -> bool:
+    """True under Windows Subsystem for Linux, where large page-locked regions are limited."""
+    return "microsoft" in platform.release().lower() or "WSL_DISTRO_NAME" in os.environ
+
+
+def auto(streamed_bytes: int, total_ram: int | None) -> Preset:
+    """``wsl_compat`` under WSL; ``one_shot_fast`` when the streamed weights are at most half the
+    machine's physical RAM (they are in RAM already; pinning them in place costs one slab more, but
+    page-locked memory cannot be reclaimed); ``low_ram_safe`` otherwise."""
+    by_name = {p.name: p for p in PRESETS}
+    if is_wsl():
+        return by_name["wsl_compat"]
+    if total_ram is not None and streamed_bytes > PIN_RAM_FRACTION * total_ram:
+        return by_name["low_ram_safe"]
+    return by_name["one_shot_fast"]
+
+
+def factory(req: EngineRequest) -> tuple[Preset, Engine]:
+    from ..streaming import StreamingEngine, plan, stores
+    from .resident import OffEngine
+
+    units = plan.check_granularity(req.options.pop("units", "auto"))
+    refuse_unknown("linear", req.options, ("units",))
+    if req.preset == "auto":
+        streamed = sum(span_nbytes(p) for u in split_units(req.module)[0] for _, p in u.params)
+        chosen = auto(streamed, psutil.virtual_memory().total)
+    else:
+        chosen = SPEC.preset_map[req.preset]
+    if chosen.host is HostMode.CALLER:
+        return chosen, OffEngine(req.module, req.device)
+    return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=stores.HostSlabs,
+                                   loader=req.loader, units=units)
+
+
+SPEC = RouteSpec(
+    name="linear",
+    summary="stream the blocks that do not fit through GPU slots from host slabs",
+    presets=PRESETS,
+    factory=factory,
+    options=("units",),
+    auto=auto,
+    auto_summary="wsl_compat under WSL, else one_shot_fast when the streamed weights are at most half the RAM, "
+                 "else low_ram_safe",
+    streams=True,
+    reads_files=True,
+    device_hook=True,
+    releasable=True,
+)
+SPECS = (SPEC,)

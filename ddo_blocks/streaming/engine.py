@@ -1,0 +1,349 @@
+"""The streaming engine: one component's units through K device slots, composed of parts.
+
+    StreamingEngine            attach / detach / rollback, the transport, the report's sections
+      ├─ UnitPlan  (plan.py)       units, resident set and slot count from the Rust planner
+      ├─ Scheduler (scheduler.py)  hooks, entry points, learned order, in-flight queue, calls, lock
+      ├─ UnitStore (stores.py)     host side: HostSlabs (linear) | FileStore + RAM cache (nvme)
+      └─ TorchSlots (slots.py)     device side: K slots allocated through PyTorch, views built once
+
+Copies run on a side stream ordered by events (``_native.Transport``), never a device-wide
+synchronisation. With ``device="cpu"`` slots live in ordinary memory and copies are memcpy, so
+planning, binding, hooks and exactness are all exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _native
+from ..errors import CheckpointError, DdoError, OffloadMemoryError, OffloadStateError
+from ..report import roofline_bound
+from ..routes.spec import HostMode, Preset, UnitInfo
+from ..units import geometry, span_nbytes
+from . import bandwidth, plan
+from .scheduler import CallRecord, Scheduler, compute_stream
+from .slots import TorchSlots
+from .upload import STAGING_BYTES, copy_from_host, staged_upload
+
+
+class StreamingEngine:
+    """Streams one component's units through K device slots. Built by the linear and nvme routes.
+
+    Args:
+        module: the component.
+        preset: the route's preset (slots range, host mode, keep-warm, staging ring).
+        budget: bytes for the component's weights on the device (``None``: everything resident).
+        device: ``cuda[:N]`` or ``cpu``.
+        store: builds the host side for this engine (``HostSlabs``, ``FileStore``).
+        loader: a ``loading.Loader`` when the module was built on the meta device (``from_pretrained``).
+        units: ``auto``, ``block`` or ``child``.
+    """
+
+    owns_placement = True
+    """Every weight lives where this engine put it: conversions are refused while it is attached."""
+
+    def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device, *,
+                 store: Callable[[StreamingEngine], Any], loader: Any = None, units: str = "auto"):
+        self.module = module
+        self.preset = preset
+        self.budget = budget
+        self.device = device
+        self.loader = loader
+        self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
+        self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units)
+        self.plan = self.unit_plan.native
+        self.granularity = self.unit_plan.granularity
+        self.units = self.unit_plan.units
+        self.unit_bytes = self.unit_plan.unit_bytes
+        self.streamed = self.unit_plan.streamed
+        self.resident_units = self.unit_plan.resident_units
+        self.geometry = [[geometry(p) for _, p in u.params] for u in self.streamed]
+        """Per streamed unit, its tensors' shapes, strides and dtypes as they were at offload time."""
+        layouts = [_native.layout_unit([span_nbytes(g) for g in unit]) for unit in self.geometry]
+        self.offsets = [list(o) for o, _ in layouts]
+        self.layout_bytes = [int(n) for _, n in layouts]
+        self.buffers = [(owner, name, buf) for owner in module.modules() for name, buf in owner._buffers.items()
+                        if buf is not None]
+        self.orig_device: dict[int, torch.device] = {}
+        self._orig_buffers: list[tuple[nn.Module, str, torch.device]] = []
+        self.slots = TorchSlots(device)
+        self.scheduler = Scheduler(module, device, self.streamed, self.resident_units, self)
+        self.store = store(self)
+        self.transport: Any = None
+        self._final_transport_stats: tuple[int, int, float] = (0, 0, 0.0)
+        self.setup_s = 0.0
+        self.pack_s = 0.0
+        self._attached = False
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = compute_stream(device)
+
+    # ---------------------------------------------------------------------------------------------
+    # attach / detach
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def attached(self) -> bool:
+        """Whether the offload is in place (hooks installed, weights where the engine put them)."""
+        return self._attached
+
+    def attach(self) -> None:
+        t0 = time.perf_counter()
+        for _, p in self.module.named_parameters():
+            self.orig_device[id(p)] = p.device
+        try:
+            self._place_resident()
+            tp = time.perf_counter()
+            if self.streamed:
+                self.store.build()
+            self.pack_s = time.perf_counter() - tp
+            if self.streamed:
+                n_slots = max(1, min(int(self.plan["slots"]), len(self.streamed)))
+                self.slots.build(n_slots, self.offsets, self.layout_bytes, self.geometry)
+                copy_stream = self._copy_stream.cuda_stream if self._copy_stream is not None else 0
+                self.transport = self.store.open_transport(n_slots, self.slots.slot_bytes, self.offsets, copy_stream)
+            self.scheduler.install()
+        except Exception as exc:
+            self._rollback()
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise OffloadMemoryError(
+                    f"out of GPU memory while setting up the offload of {type(self.module).__name__} "
+                    f"(plan needs {self.plan['gpu_bytes']} bytes on {self.device}); the module was "
+                    "restored; pass a smaller vram_budget or free GPU memory"
+                ) from exc
+            raise
+        self._attached = True
+        self.scheduler.start(self.slots.n_slots)
+        self.setup_s = time.perf_counter() - t0
+
+    def _place_resident(self) -> None:
+        dev = self.device
+        for owner, name, buf in self.buffers:
+            self._orig_buffers.append((owner, name, buf.device))
+            if buf.device != dev:
+                owner._buffers[name] = buf.to(dev)
+        params = [p for _, p in self.unit_plan.leftovers] + [p for u in self.resident_units for _, p in u.params]
+        pinned = self.preset.host is HostMode.PINNED_SLABS
+        if self.loader is not None:
+            pending = [p for p in params if self.loader.pending(p)]
+            for p, data in zip(pending, self.loader.materialize_many(pending, dev, pinned=pinned)):
+                p.data = data
+        if dev.type == "cuda" and pinned:
+            # pageable tensor-by-tensor .to() runs at ~8 GB/s: stage through two pinned buffers,
+            # pointing each parameter at its GPU copy (freeing the host one) batch by batch. Presets
+            # that avoid page-locked memory keep .to(), which frees each host tensor as it goes; so
+            # do tensor subclasses without one plain storage (quantized wrappers).
+            unique = list({id(p): p for p in params}.values())
+            staged = [p for p in unique if type(p.data) is torch.Tensor and p.device.type == "cpu"
+                      and p.data.is_contiguous() and 0 < p.numel() * p.element_size() <= STAGING_BYTES]
+
+            def point(batch: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+                for p, out in batch:
+                    p.data = out
+
+            pairs = [(p, torch.empty_like(p.data, device=dev)) for p in staged]
+            staged_upload(pairs, dev, lambda p: p.numel() * p.element_size(), copy_from_host, queued=point)
+        for p in params:
+            if p.device != dev:
+                p.data = p.data.to(dev)
+
+    def detach(self) -> None:
+        """Restores every parameter and buffer to its original device with its own memory."""
+        if not self.scheduler.lock.acquire(blocking=False):
+            raise OffloadStateError(
+                f"cannot remove the offload of {type(self.module).__name__} while another thread runs it; "
+                "call remove() after that call returns"
+            )
+        try:
+            if self.scheduler.depth > 0:
+                raise OffloadStateError(
+                    f"cannot remove the offload of {type(self.module).__name__} while it is running; "
+                    "call remove() after the forward (or encode/decode) returns"
+                )
+            self._rollback()
+        finally:
+            self.scheduler.lock.release()
+
+    def _rollback(self) -> None:
+        """Undoes whatever part of the attach happened. Safe on a partial attach. Once the store has
+        brought back what only it holds, the offload is gone (``attached`` is False), even if a
+        later step raises."""
+        deferred = self.store.before_release()  # raises to keep the offload in place
+        was_attached, self._attached = self._attached, False
+        self.scheduler.uninstall()
+        close_error: DdoError | None = None
+        if self.transport is not None:
+            self.store.closed(self.transport)
+            self._final_transport_stats = self.transport.stats()
+            try:
+                with contextlib.suppress(CheckpointError):  # a failed read: raised by the call that met it
+                    self.transport.close()  # drains in-flight copies before slots and slabs go
+            except DdoError as exc:  # resources are freed anyway: finish restoring, then report it
+                close_error = exc
+            finally:
+                self.transport = None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.slots.close()
+        self.store.release(self.orig_device, keep_warm=self.preset.keep_warm and was_attached)
+        for _, p in self.module.named_parameters():
+            dev = self.orig_device.get(id(p))
+            if dev is not None and p.device != dev:
+                p.data = p.data.to(dev)
+        for owner, name, dev in self._orig_buffers:
+            buf = owner._buffers.get(name)
+            if buf is not None and buf.device != dev:
+                owner._buffers[name] = buf.to(dev)
+        self._orig_buffers.clear()
+        if close_error is not None:
+            raise close_error
+        if deferred is not None:
+            raise deferred
+
+    @property
+    def lost(self) -> list[str]:
+        """Parameters a failed removal could not restore (the store left NaN placeholders)."""
+        return self.store.lost
+
+    # ---------------------------------------------------------------------------------------------
+    # what the scheduler drives
+    # ---------------------------------------------------------------------------------------------
+    def fetch(self, u: int, slot: int) -> None:
+        self.store.fetch(self.transport, u, slot, self.slots.address(slot))
+
+    def acquire(self, slot: int) -> None:
+        self.transport.acquire(slot, self._stream())
+
+    def release(self, slot: int) -> None:
+        self.transport.release(slot, self._stream())
+
+    def bind(self, u: int, slot: int) -> None:
+        self.slots.bind(self.streamed[u], u, slot)
+
+    def park(self, u: int) -> None:
+        for (_, p), v in zip(self.streamed[u].params, self.store.host_views(u)):
+            p.data = v
+
+    def bytes_moved(self) -> int:
+        return self.transport.stats()[1] if self.transport is not None else 0
+
+    def call_started(self) -> None:
+        self.store.call_started(self.transport)
+
+    def call_finished(self) -> None:
+        self.store.call_finished(self.transport)
+
+    # ---------------------------------------------------------------------------------------------
+    # figures
+    # ---------------------------------------------------------------------------------------------
+    def call_records(self) -> list[CallRecord]:
+        """Per-call timings (CUDA calls are resolved here, which waits for them to finish)."""
+        return self.scheduler.call_records()
+
+    def calibrated_prediction(self) -> dict[str, Any] | None:
+        """The simulator's step time with the compute measured on the calibration call (the
+        second call), or None before it ran. Waits for that call to finish on the GPU."""
+        cal = self.scheduler.calibration
+        if cal is None or cal.end is None:
+            return None
+        measured = cal.resolve(len(self.units))
+        step, wait = plan.simulate(self.unit_plan, measured["unit_compute_s"], self.slots.n_slots,
+                                   self.link_bytes_per_s, self.store.sim_args())
+        return {
+            "predicted_step_s": step + measured["rest_s"],
+            "predicted_wait_s": wait,
+            "compute_s": sum(measured["unit_compute_s"]) + measured["rest_s"],
+            "measured_wait_s": measured["wait_s"],
+            "calibration_call_s": measured["call_s"],
+        }
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(self.unit_bytes[u.index] for u in self.streamed)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.unit_plan.base_bytes + sum(self.unit_bytes[u.index] for u in self.resident_units)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.resident_bytes + self.slots.nbytes
+
+    def unit_infos(self) -> tuple[UnitInfo, ...]:
+        streamed = {id(u) for u in self.streamed}
+        return tuple(UnitInfo(u.name, u.module, id(u) in streamed, self.unit_bytes[u.index]) for u in self.units)
+
+    def transport_stats(self) -> tuple[int, int, float]:
+        return self.transport.stats() if self.transport is not None else self._final_transport_stats
+
+    def report_sections(self) -> dict[str, Any]:
+        slabs = self.store.slabs
+        calls = self.call_records()
+        secs = [c.seconds for c in calls]
+        steady = secs[1:] if len(secs) > 1 else secs
+        median = statistics.median(steady) if steady else None
+        fastest = min(steady) if steady else None
+        last_bytes = calls[-1].h2d_bytes if calls else None
+        fetches, total_bytes, host_wait = self.transport_stats()
+        calibrated = self.calibrated_prediction()
+        stats = self.scheduler.stats
+        roof = roofline_bound(
+            link_bytes_per_s=self.link_bytes_per_s, streamed_bytes=self.streamed_bytes,
+            calibrated_compute_s=calibrated["compute_s"] if calibrated else None, fastest_call_s=fastest,
+            call_h2d_bytes=last_bytes, disk=self.store.disk_figures(),
+        )
+        sections: dict[str, Any] = {
+            "plan": dict(
+                unit_granularity=self.granularity,
+                units=len(self.units),
+                resident_units=len(self.resident_units),
+                streamed_units=len(self.streamed),
+                resident_bytes=self.resident_bytes,
+                streamed_bytes=self.streamed_bytes,
+                slots=self.slots.n_slots,
+                slot_bytes=self.slots.slot_bytes,
+                gpu_bytes=self.gpu_bytes,
+                host_slabs=len(slabs.slab_sizes) if slabs is not None else 0,
+                host_slab_bytes=slabs.nbytes if slabs is not None else 0,
+                staging_bytes=self.preset.staging_bytes,
+                predicted_step_s=self.plan["predicted_step_s"],
+            ),
+            "setup": dict(
+                seconds=self.setup_s,
+                pack_s=self.pack_s,
+                packed_bytes=slabs.bytes_packed if slabs is not None else 0,
+                pack_gb_s=(slabs.bytes_packed / self.pack_s / 1e9)
+                if slabs is not None and self.pack_s > 0 and slabs.bytes_packed else None,
+                warm_reused=bool(slabs.reused_warm) if slabs is not None else False,
+            ),
+            "runtime": dict(
+                calls=len(calls),
+                first_call_s=secs[0] if secs else None,
+                median_call_s=median,
+                h2d_call_bytes=last_bytes,
+                h2d_gb_s=(last_bytes / median / 1e9) if median and last_bytes else None,
+                copies=fetches,
+                h2d_total_bytes=total_bytes,
+                misses=stats.misses,
+                reorders=stats.reorders,
+                order_changes=stats.order_changes,
+                host_wait_s=host_wait,
+                calibrated_predicted_step_s=calibrated["predicted_step_s"] if calibrated else None,
+                compute_wait_s=calibrated["measured_wait_s"] if calibrated else None,
+            ),
+            "memory": {"pinned_bytes": slabs.pinned_bytes if slabs is not None else 0},
+            "roofline": {**roof, "efficiency": (roof["bound_s"] / median) if roof["bound_s"] and median else None},
+            "timeline": [
+                {"seconds": c.seconds, "h2d_bytes": c.h2d_bytes, "misses": c.misses,
+                 "copy_s": c.h2d_bytes / self.link_bytes_per_s}
+                for c in calls
+            ],
+        }
+        for section, fields in self.store.report_sections(self.transport).items():
+            sections[section].update(fields)
+        return sections

@@ -1,0 +1,112 @@
+"""The plan of a streamed component: its units at a granularity (blocks, or each block's children),
+which units stay resident and how many slots stream the rest (the Rust planner), and the
+simulator's step time with calibrated compute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _native
+from ..errors import BudgetError, ConfigError
+from ..routes.spec import Preset
+from ..units import GRANULARITIES, Unit, span_nbytes, split_units, tensor_nbytes
+from . import bandwidth
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """Units, their slot sizes, the always-resident bytes and the planner's choice."""
+
+    granularity: str
+    units: list[Unit]
+    leftovers: list[tuple[str, nn.Parameter]]
+    unit_bytes: list[int]
+    """Each unit's size in a slot (its tensors at aligned offsets)."""
+    base_bytes: int
+    """Always-resident bytes: parameters outside units and every buffer."""
+    native: dict[str, Any]
+    """The planner's result: ``resident`` flags, ``slots``, ``predicted_step_s``, ..."""
+
+    @property
+    def streamed(self) -> list[Unit]:
+        return [u for u, r in zip(self.units, self.native["resident"]) if not r]
+
+    @property
+    def resident_units(self) -> list[Unit]:
+        return [u for u, r in zip(self.units, self.native["resident"]) if r]
+
+
+def check_granularity(units: str) -> str:
+    if units not in ("auto", *GRANULARITIES):
+        raise ConfigError(f"units={units!r} is not a unit granularity; use 'auto', 'block' or 'child'")
+    return units
+
+
+def buffer_bytes(module: nn.Module) -> int:
+    return sum(tensor_nbytes(b) for b in module.buffers())
+
+
+def unit_sizes(units: list[Unit]) -> list[int]:
+    """Each unit's slot size: its tensors, each over the storage it spans, at aligned offsets."""
+    return [_native.layout_unit([span_nbytes(p) for _, p in u.params])[1] for u in units]
+
+
+def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch.device, link: float,
+          preset: Preset) -> UnitPlan:
+    units, leftovers = split_units(module, granularity)
+    base = sum(tensor_nbytes(p) for _, p in leftovers) + buffer_bytes(module)
+    sizes = unit_sizes(units)
+    native = _native.plan(
+        sizes,
+        base_bytes=base,
+        budget_bytes=budget,
+        link_bytes_per_s=link,
+        compute_bytes_per_s=bandwidth.compute_bytes_per_s(device, link),
+        min_slots=preset.min_slots,
+        max_slots=preset.max_slots,
+    )
+    return UnitPlan(granularity, units, leftovers, sizes, base, native)
+
+
+def choose(module: nn.Module, budget: int | None, device: torch.device, link: float, preset: Preset,
+           units: str = "auto") -> UnitPlan:
+    """Blocks as units, unless the budget needs smaller units or the planner predicts a clearly
+    faster step with each block's children as units (smaller slots leave more budget resident)."""
+    if check_granularity(units) != "auto":
+        return _plan(module, units, budget, device, link, preset)
+    try:
+        block = _plan(module, "block", budget, device, link, preset)
+    except BudgetError:
+        return _plan(module, "child", budget, device, link, preset)  # its error, if any, names the lower minimum
+    if block.native["slots"] == 0:
+        return block  # everything fits: nothing streams
+    child = _plan(module, "child", budget, device, link, preset)
+    if len(child.units) > len(block.units) and child.native["predicted_step_s"] < 0.97 * block.native["predicted_step_s"]:
+        return child
+    return block
+
+
+def minimum_budget(module: nn.Module, units: str = "auto") -> int:
+    """The smallest budget the planner accepts: always-resident weights plus two slots of the
+    largest unit, at the given granularity (``auto``: the lower of blocks and their children)."""
+    best = None
+    for granularity in GRANULARITIES if check_granularity(units) == "auto" else (units,):
+        found, leftovers = split_units(module, granularity)
+        base = sum(tensor_nbytes(p) for _, p in leftovers) + buffer_bytes(module)
+        need = _native.minimum_budget(unit_sizes(found), base)
+        best = need if best is None else min(best, need)
+    return int(best)
+
+
+def simulate(unit_plan: UnitPlan, unit_compute_s: list[float], slots: int, link: float,
+             disk: tuple = ()) -> tuple[float, float]:
+    """The simulator's steady step and compute wait for this plan with the given compute times
+    (``disk``: which units come from disk and the disk's rate, for the NVMe route)."""
+    step, _, wait, _ = _native.simulate(
+        unit_plan.unit_bytes, unit_compute_s, list(unit_plan.native["resident"]), max(slots, 1), link, 4, *disk,
+    )
+    return step, wait

@@ -1,0 +1,372 @@
+"""The scheduler of a streamed component, route-agnostic: the hooks on its streamed units and the
+wrapped entry points (``forward``, ``encode``, ``decode``), the execution order learned on the first
+call, the in-flight queue (cyclic prefetch: when a slot is released the next unit in order, wrapping
+into the next call, is fetched into it; misses and reorders), call records, the calibration call,
+and the lock that serialises calls into one component.
+
+It knows no host or device side: it asks its :class:`Pipeline` to fetch a unit into a slot, to wait
+for it, to bind and to park it.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..errors import OffloadStateError
+from ..units import Unit
+from . import guards
+from .calibrate import Calibration
+
+_MAX_PENDING_CALLS = 64
+_MAX_TRACE = 1 << 16
+
+ENTRY_METHODS = ("forward", "encode", "decode")
+"""The entry points that start a call (``encode``/``decode``: VAEs); wrapped so order learning and
+call timing see every call."""
+
+
+@dataclass
+class CallRecord:
+    seconds: float
+    h2d_bytes: int
+    misses: int
+
+
+@dataclass
+class SchedulerStats:
+    calls: list[CallRecord] = field(default_factory=list)
+    misses: int = 0
+    reorders: int = 0
+    order_changes: int = 0
+
+
+class Pipeline(Protocol):
+    """What the scheduler drives (the streaming engine)."""
+
+    def fetch(self, u: int, slot: int) -> None:
+        """Starts the copy of streamed unit ``u`` into ``slot``."""
+
+    def acquire(self, slot: int) -> None:
+        """Makes the compute stream wait until ``slot``'s copy arrived."""
+
+    def release(self, slot: int) -> None:
+        """Records on the compute stream that ``slot`` was consumed."""
+
+    def bind(self, u: int, slot: int) -> None:
+        """Points unit ``u``'s parameters at ``slot``."""
+
+    def park(self, u: int) -> None:
+        """Points unit ``u``'s parameters back at the host side."""
+
+    def bytes_moved(self) -> int:
+        """Bytes fetched since attach."""
+
+    def call_started(self) -> None:
+        """Route checks at the start of a call (the NVMe route: its files are unchanged)."""
+
+    def call_finished(self) -> None:
+        """Route bookkeeping at the end of a call."""
+
+
+def _any_requires_grad(tree: Any) -> bool:
+    """Whether any tensor in nested args/kwargs requires grad."""
+    if isinstance(tree, torch.Tensor):
+        return tree.requires_grad
+    if isinstance(tree, (list, tuple)):
+        return any(_any_requires_grad(x) for x in tree)
+    if isinstance(tree, dict):
+        return any(_any_requires_grad(x) for x in tree.values())
+    return False
+
+
+def compute_stream(device: torch.device) -> Callable[[], int]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.current_stream(device).cuda_stream
+    return lambda: 0
+
+
+class Scheduler:
+    """Runs one component's streamed units through its slots, call after call.
+
+    One call at a time: a second thread calling the component waits for the first call to finish
+    (the slots, the schedule and the transport are the component's, not the call's).
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device, streamed: list[Unit], resident_units: list[Unit],
+                 pipeline: Pipeline):
+        self.module = module
+        self.device = device
+        self.streamed = streamed
+        self.resident_units = resident_units
+        self.pipeline = pipeline
+        self.stats = SchedulerStats()
+        self.lock = threading.RLock()  # per component; re-entrant for nested entry points
+        self.depth = 0
+        self.active = False
+        self._hooks: list[Any] = []
+        self._wrapped: list[tuple[str, Any, Any]] = []
+        self.sched: list[int] = list(range(len(streamed)))
+        self._sched_pos: dict[int, int] = {u: i for i, u in enumerate(self.sched)}
+        self._next = 0
+        self._inflight: collections.deque[tuple[int, int]] = collections.deque()
+        self._free: collections.deque[int] = collections.deque()
+        self._running: tuple[int, int] | None = None
+        self._trace: list[int] = []
+        self._call_t0 = 0.0
+        self._call_event: Any = None
+        self._call_bytes0 = 0
+        self._call_misses0 = 0
+        self._pending_cuda_calls: list[tuple[Any, Any, int, int]] = []
+        self._calls_started = 0
+        self.calibration: Calibration | None = None
+        self._calibrating = False
+
+    # ---------------------------------------------------------------------------------------------
+    # installing and removing
+    # ---------------------------------------------------------------------------------------------
+    def start(self, n_slots: int) -> None:
+        """Frees every slot and fetches the first units of the first call."""
+        self._free = collections.deque(range(n_slots))
+        self.active = True
+        self.topup()
+
+    def install(self) -> None:
+        for u, unit in enumerate(self.streamed):
+            self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(u), with_kwargs=True))
+            self._hooks.append(unit.module.register_forward_hook(self._make_post(u), always_call=True))
+        # Calls are delimited by wrapping the entry points on the instance, with try/finally: torch's
+        # always_call hooks do not run on KeyboardInterrupt, which would leave the call open forever.
+        for name in ENTRY_METHODS:
+            previous = self.module.__dict__.get(name)
+            method = getattr(self.module, name, None)
+            if not callable(method):
+                continue
+            while getattr(method, "_ddo_entry", False):  # a stale wrapper of an earlier offload
+                method = method.__wrapped__
+            wrapper = self._wrap_entry(method)
+            setattr(self.module, name, wrapper)
+            self._wrapped.append((name, wrapper, previous))
+
+    def uninstall(self) -> None:
+        """Removes the hooks and entry wrappers; safe on a partial install."""
+        self.active = False
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for name, wrapper, previous in self._wrapped:
+            if self.module.__dict__.get(name) is wrapper:  # else someone wrapped on top: ours goes transparent
+                if previous is None:
+                    self.module.__dict__.pop(name, None)
+                else:
+                    self.module.__dict__[name] = previous
+        self._wrapped.clear()
+        self._running = None
+        self._inflight.clear()
+
+    def _wrap_entry(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        sched = self
+
+        @functools.wraps(method)  # keeps the signature visible (pipelines inspect forward's parameters)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            if not sched.active:  # left behind under another wrapper after remove(): transparent
+                return method(*args, **kwargs)
+            with sched.lock:
+                sched.enter()
+                clean = False
+                try:
+                    out = method(*args, **kwargs)
+                    clean = True
+                    return out
+                finally:
+                    sched.exit(clean)
+
+        entry._ddo_entry = True  # type: ignore[attr-defined]
+        return entry
+
+    # ---------------------------------------------------------------------------------------------
+    # the in-flight queue
+    # ---------------------------------------------------------------------------------------------
+    def topup(self) -> None:
+        if not self.sched:
+            return
+        while self._free:
+            u = self.sched[self._next]
+            self._next = (self._next + 1) % len(self.sched)
+            slot = self._free.popleft()
+            self.pipeline.fetch(u, slot)
+            self._inflight.append((u, slot))
+
+    def _take_inflight(self, u: int) -> int | None:
+        """The slot of unit ``u`` if it is already in flight further down the queue."""
+        for i, (v, slot) in enumerate(self._inflight):
+            if v == u:
+                del self._inflight[i]
+                return slot
+        return None
+
+    def _drop_inflight(self) -> None:
+        while self._inflight:
+            self._free.append(self._inflight.popleft()[1])
+
+    def _make_pre(self, u: int) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
+                self._refuse_backward(u)
+            self.unit_start(u)
+
+        return pre
+
+    def _refuse_backward(self, u: int) -> None:
+        raise OffloadStateError(
+            f"{type(self.module).__name__} is offloaded for inference, but autograd is on and the input of its "
+            f"streamed unit {self.streamed[u].name!r} requires grad (an input that requires grad, or a trainable "
+            "layer before it): backward would read that unit's weights from a slot that later units have "
+            "overwritten, and give wrong gradients. Run it under torch.no_grad() or torch.inference_mode(), "
+            "detach the input, or keep the component resident (route='resident') to take gradients"
+        )
+
+    def _make_post(self, u: int) -> Callable[..., None]:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            self.unit_end(u)
+
+        return post
+
+    def unit_start(self, u: int) -> None:
+        if self._running is not None:  # the previous unit raised or units nest: settle it first
+            self.unit_end(self._running[0])
+        if len(self._trace) < _MAX_TRACE:  # units run outside any call (e.g. vae.decoder(...)) must not grow it
+            self._trace.append(u)
+        missed = False
+        if self._inflight and self._inflight[0][0] == u:
+            _, slot = self._inflight.popleft()
+        elif (taken := self._take_inflight(u)) is not None:
+            slot = taken  # prefetched, just not next (e.g. attention before the projection it was defined after)
+            self.stats.reorders += 1
+        else:
+            self.stats.misses += 1
+            self._drop_inflight()
+            pos = self._sched_pos.get(u)
+            if pos is not None:
+                self._next = (pos + 1) % len(self.sched)
+            slot = self._free.popleft()
+            missed = True
+        cal = self.calibration if self._calibrating else None
+        try:
+            if missed:
+                self.pipeline.fetch(u, slot)
+            if cal is not None:
+                cal.before_wait(self.streamed[u].index)
+            self.pipeline.acquire(slot)
+        except BaseException:
+            self._free.append(slot)  # keep the slot usable: the error itself is what the caller sees
+            raise
+        if cal is not None:
+            cal.unit_begin(self.streamed[u].index)
+        self.pipeline.bind(u, slot)
+        self._running = (u, slot)
+        self.topup()
+
+    def unit_end(self, u: int) -> None:
+        if self._running is None or self._running[0] != u:
+            return
+        slot = self._running[1]
+        self._running = None
+        if self._calibrating:
+            self.calibration.unit_end(self.streamed[u].index)
+        self.pipeline.release(slot)
+        self.pipeline.park(u)
+        self._free.append(slot)
+        self.topup()
+
+    # ---------------------------------------------------------------------------------------------
+    # calls
+    # ---------------------------------------------------------------------------------------------
+    def enter(self) -> None:
+        if self.depth == 0:
+            if torch.is_grad_enabled() and any(p.requires_grad for u in self.streamed for _, p in u.params):
+                raise OffloadStateError(
+                    f"{type(self.module).__name__} is offloaded for inference, but autograd is on and its streamed "
+                    "parameters require grad: backward would read weights from slots the next units reuse. Run it "
+                    "under torch.no_grad() or torch.inference_mode(), or call module.requires_grad_(False)"
+                )
+            on_top = guards.offload_on_top(self.module)
+            if on_top is not None:
+                raise OffloadStateError(
+                    f"{type(self.module).__name__} is offloaded by ddo_blocks, and {on_top} was applied on top: "
+                    "the two would move the same weights. Remove the other offloading, or call remove() on "
+                    "the ddo_blocks handle (it restores the weights) and apply only one of them"
+                )
+        self.depth += 1
+        if self.depth > 1:
+            return
+        try:
+            self.pipeline.call_started()
+        except BaseException:
+            self.depth -= 1
+            raise
+        if self._running is not None and self.streamed[self._running[0]].module is not self.module:
+            self.unit_end(self._running[0])  # left open by an interrupted call (the root may be a unit)
+        self._trace = []
+        if self.calibration is None and self._calls_started == 1 and self.streamed:
+            self.calibration = Calibration(self.device, [(u.index, u.module) for u in self.resident_units])
+            self._calibrating = True
+        self._calls_started += 1
+        self._call_misses0 = self.stats.misses
+        self._call_bytes0 = self.pipeline.bytes_moved()
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.device))
+            self._call_event = start
+        self._call_t0 = time.perf_counter()
+
+    def exit(self, clean: bool = True) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        if self._running is not None:
+            self.unit_end(self._running[0])
+        if self._calibrating:
+            self.calibration.close()
+            self._calibrating = False
+        nbytes = self.pipeline.bytes_moved() - self._call_bytes0
+        misses = self.stats.misses - self._call_misses0
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self._pending_cuda_calls.append((self._call_event, end, nbytes, misses))
+            if len(self._pending_cuda_calls) > _MAX_PENDING_CALLS:  # long done: resolving waits for nothing
+                self._resolve_calls(self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2])
+                del self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2]
+        else:
+            self.stats.calls.append(CallRecord(time.perf_counter() - self._call_t0, nbytes, misses))
+        if clean and self._trace and self._trace != self.sched:
+            # Learn the confirmed execution order; refetch the start of the next call in it.
+            self.stats.order_changes += 1
+            self.sched = list(self._trace)
+            self._sched_pos = {}
+            for i, v in enumerate(self.sched):
+                self._sched_pos.setdefault(v, i)
+            self._drop_inflight()
+            self._next = 0
+            self.topup()
+        self.pipeline.call_finished()
+
+    def _resolve_calls(self, pending: list[tuple[Any, Any, int, int]]) -> None:
+        for start, end, nbytes, misses in pending:
+            end.synchronize()
+            self.stats.calls.append(CallRecord(start.elapsed_time(end) / 1e3, nbytes, misses))
+
+    def call_records(self) -> list[CallRecord]:
+        """Per-call timings (CUDA calls are resolved here, which waits for them to finish)."""
+        self._resolve_calls(self._pending_cuda_calls)
+        self._pending_cuda_calls.clear()
+        return self.stats.calls

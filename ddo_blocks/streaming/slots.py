@@ -1,0 +1,58 @@
+"""The device side of a streamed component: K slots the size of the largest streamed unit, allocated
+once through PyTorch (so its allocator and memory statistics stay right), with every (unit, slot)
+tensor view built once. Binding a unit to a slot points its parameters at those views.
+
+A slot pool is what a VMM arena will replace: same ``build`` / ``address`` / ``bind`` / ``close``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..units import Unit, strided_view
+
+
+class TorchSlots:
+    """K slots in one PyTorch allocation on ``device``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.n_slots = 0
+        self.slot_bytes = 0
+        self.storage: torch.Tensor | None = None
+        self.views: list[list[list[torch.Tensor]]] = []
+        """``views[unit][slot]``: the unit's tensors in that slot, with their own shapes and strides."""
+
+    def build(self, n_slots: int, offsets: list[list[int]], unit_nbytes: list[int],
+              geometry: list[list[torch.Tensor]]) -> None:
+        """Allocates ``n_slots`` slots of the largest unit and builds every view (offsets and
+        geometry per streamed unit, as the unit store lays the unit out)."""
+        self.n_slots = n_slots
+        self.slot_bytes = max(unit_nbytes)
+        self.storage = torch.empty(n_slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.views = []
+        for u in range(len(unit_nbytes)):
+            per_slot = []
+            for s in range(n_slots):
+                base = self.storage[s * self.slot_bytes : (s + 1) * self.slot_bytes]
+                per_slot.append([strided_view(base, off, g) for g, off in zip(geometry[u], offsets[u])])
+            self.views.append(per_slot)
+
+    def address(self, slot: int) -> int:
+        assert self.storage is not None
+        return self.storage.data_ptr() + slot * self.slot_bytes
+
+    def bind(self, unit: Unit, u: int, slot: int) -> None:
+        for (_, p), v in zip(unit.params, self.views[u][slot]):
+            p.data = v
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_slots * self.slot_bytes
+
+    def all_views(self) -> list[torch.Tensor]:
+        return [v for unit in self.views for slot in unit for v in slot]
+
+    def close(self) -> None:
+        self.views = []
+        self.storage = None

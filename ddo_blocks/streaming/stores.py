@@ -1,0 +1,405 @@
+"""The host side of a streamed component: where each streamed unit's bytes live between calls, how a
+fetch is described to the transport, and where a unit's parameters park after it ran.
+
+- :class:`HostSlabs` (linear route): every streamed unit packed into host slabs, page-locked
+  (``PINNED_SLABS``: one asynchronous copy per unit straight into its slot) or pageable
+  (``PAGEABLE_STAGED``: the transport's staging thread moves each unit through a bounded ring of
+  small page-locked buffers).
+- :class:`FileStore` (NVMe route): a static RAM cache (host slabs of the units ``ddo-core``'s cache
+  planner keeps within ``ram_budget``: the pass is cyclic, so a fixed retained set beats LRU); the
+  other units are read from their safetensors files on every call: each is registered with the
+  transport as a coalesced, aligned read plan; a fetch is a staging job that the Rust staging thread
+  runs with its reader pool (``O_DIRECT`` where allowed) into a bounded ring of page-locked
+  buffers, then copies to the slot. Between calls their parameters are placeholders of the right
+  shape and dtype that hold no RAM (one shared element, NaN for floating dtypes, so a use outside
+  the unit's hooks cannot pass for the weights). Every call starts with a check of the checkpoint's
+  files (inode, size, modification and change times): a replaced, rewritten or truncated file
+  raises ``CheckpointError`` instead of running with wrong weights. Removal reads the disk units'
+  weights back into ordinary memory, so the module keeps working.
+
+A store is built by the streaming engine (``store(engine)``) once the plan is known; it reads the
+engine's units, geometry, preset, device and loader, and never touches slots or hooks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+import torch
+from torch import nn
+
+from .. import _native
+from ..budget import fmt_bytes
+from ..errors import CheckpointError, ConfigError, OffloadMemoryError
+from ..routes.spec import HostMode, Preset
+from ..units import tensor_nbytes
+from . import bandwidth
+from .slabs import SlabSet
+
+READ_GAP_BYTES = 64 << 10
+"""Gaps between a unit's tensors in a file up to this size are read through (one read, not two)."""
+
+READ_ALIGN = 4096
+"""ddo_cuda reader::ALIGN: O_DIRECT offsets, lengths and buffers."""
+
+
+class UnitStore(Protocol):
+    """What the streaming engine asks of a host side."""
+
+    lost: list[str]
+    """Parameters a failed removal could not restore (left as NaN placeholders)."""
+
+    def build(self) -> None:
+        """Packs or registers every streamed unit's bytes; parameters point at their host side."""
+
+    def open_transport(self, n_slots: int, slot_bytes: int, offsets: list[list[int]], copy_stream: int) -> Any:
+        """The ``_native.Transport`` that fetches this store's units, with anything it must know."""
+
+    def fetch(self, transport: Any, u: int, slot: int, dst: int) -> None:
+        """Starts the copy of streamed unit ``u`` into ``slot`` at device address ``dst``."""
+
+    def host_views(self, u: int) -> list[torch.Tensor]:
+        """Where unit ``u``'s parameters point between its runs."""
+
+    def call_started(self, transport: Any) -> None: ...
+
+    def call_finished(self, transport: Any) -> None: ...
+
+    def before_release(self) -> CheckpointError | None:
+        """Brings back what only the store holds (disk units), before anything is detached. Raises to
+        keep the offload in place (it can be retried); returns an error to raise after the removal."""
+
+    def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
+        """Gives every parameter its own memory on its original device and frees the store."""
+
+    def closed(self, transport: Any) -> None:
+        """Takes the transport's final figures before it is closed."""
+
+    def sim_args(self) -> tuple:
+        """Extra simulator arguments (units read from disk and the disk's rate), or none."""
+
+    def disk_figures(self) -> tuple[float, int] | None:
+        """The disk's read rate (B/s) and the bytes read from it per call, for a store that reads."""
+
+    def report_sections(self, transport: Any) -> dict[str, dict[str, Any]]: ...
+
+    @property
+    def slabs(self) -> SlabSet | None: ...
+
+
+def _slab_views(slabs: SlabSet | None) -> list[torch.Tensor]:
+    return [v for unit in (slabs.host_views if slabs else []) for v in unit]
+
+
+class HostSlabs:
+    """Every streamed unit in host slabs (the linear route)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        preset: Preset = engine.preset
+        self.pin = engine.device.type == "cuda" and preset.host is HostMode.PINNED_SLABS
+        self.staged = preset.host is HostMode.PAGEABLE_STAGED
+        self.slabs: SlabSet | None = None
+        self.lost: list[str] = []
+
+    def build(self) -> None:
+        e = self.engine
+        self.slabs = SlabSet(e.streamed, pin=self.pin, ordinal=e.device.index or 0, keep_warm=e.preset.keep_warm)
+        self.slabs.pack(e.loader)
+
+    def open_transport(self, n_slots: int, slot_bytes: int, offsets: list[list[int]], copy_stream: int) -> Any:
+        p, e = self.engine.preset, self.engine
+        staging = ((p.staging_buffers, p.staging_buffer_mib << 20, p.staging_threads, True) if self.staged
+                   else None)
+        return _native.Transport(e.device.type, e.device.index or 0, n_slots, copy_stream, staging)
+
+    def fetch(self, transport: Any, u: int, slot: int, dst: int) -> None:
+        transport.fetch(slot, dst, self.slabs.unit_ptr(u), self.slabs.unit_nbytes[u])
+
+    def host_views(self, u: int) -> list[torch.Tensor]:
+        return self.slabs.host_views[u]
+
+    def all_views(self) -> list[torch.Tensor]:
+        return _slab_views(self.slabs)
+
+    def call_started(self, transport: Any) -> None:
+        pass
+
+    def call_finished(self, transport: Any) -> None:
+        pass
+
+    def before_release(self) -> CheckpointError | None:
+        return None
+
+    def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
+        if self.slabs is not None:
+            self.slabs.release(orig_device, keep_warm=keep_warm)
+            self.slabs = None
+
+    def closed(self, transport: Any) -> None:
+        pass
+
+    def sim_args(self) -> tuple:
+        return ()
+
+    def disk_figures(self) -> tuple[float, int] | None:
+        return None
+
+    def report_sections(self, transport: Any) -> dict[str, dict[str, Any]]:
+        return {}
+
+
+def host_store(preset: Preset) -> Any:
+    """The store for a linear-route preset (pinned or staged host slabs)."""
+    return HostSlabs
+
+
+def _placeholder(p: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of ``p``'s shape and dtype backed by one element (NaN when floating)."""
+    one = torch.full((), float("nan"), dtype=p.dtype) if p.is_floating_point() else torch.zeros((), dtype=p.dtype)
+    return one.expand(p.shape)
+
+
+class FileStore:
+    """Streamed units from a RAM cache or from their safetensors files (the NVMe route)."""
+
+    def __init__(self, engine: Any, *, ram_budget: int | None, ram_auto: bool):
+        self.engine = engine
+        e = engine
+        preset: Preset = e.preset
+        self.loader = e.loader
+        self.slabs: SlabSet | None = None
+        self.lost: list[str] = []
+        streamed_total = sum(e.unit_bytes[u.index] for u in e.streamed)
+        if ram_budget is None:
+            available = psutil.virtual_memory().available
+            ram_budget = min(streamed_total, max(0, available // 2 - preset.staging_bytes)) if ram_auto else 0
+        self.ram_budget = ram_budget
+        self.disk_bytes_per_s: float | None = None
+        self.disk_probe: str | None = None
+        self.cache_plan: dict[str, Any] | None = None
+        self.cached_units: list[Any] = []
+        self.disk_units: list[int] = []  # indices into engine.streamed
+        self._cache_index: dict[int, int] = {}  # streamed index -> index in the cache's SlabSet
+        self._file_unit: dict[int, int] = {}  # streamed index -> transport file unit
+        self._hollow_views: dict[int, list[torch.Tensor]] = {}
+        self._disk_params: list[tuple[nn.Parameter, Any]] = []
+        self.staging_buffer_bytes = 0
+        self._file_ids: dict[str, int] = {}
+        self._direct_files: dict[str, bool] = {}  # as last asked: a read refused O_DIRECT turns it off
+        self.disk_call_bytes: list[int] = []
+        self._disk_bytes0 = 0
+        self._final_disk_stats = (0, 0)
+        if not e.streamed:
+            return
+        self.disk_bytes_per_s, self.disk_probe = bandwidth.disk_bytes_per_s(
+            self._largest_file(), threads=preset.staging_threads
+        )
+        compute = bandwidth.compute_bytes_per_s(e.device, e.link_bytes_per_s)
+        self.cache_plan = _native.plan_ram_cache(
+            e.unit_bytes,
+            unit_compute_s=[b / compute for b in e.unit_bytes],
+            resident=list(e.plan["resident"]),
+            slots=max(1, int(e.plan["slots"])),
+            ram_budget_bytes=ram_budget,
+            link_bytes_per_s=e.link_bytes_per_s,
+            disk_bytes_per_s=self.disk_bytes_per_s,
+        )
+        cached = self.cache_plan["cached"]
+        for u, unit in enumerate(e.streamed):
+            if cached[unit.index]:
+                self._cache_index[u] = len(self.cached_units)
+                self.cached_units.append(unit)
+            else:
+                self.disk_units.append(u)
+        self._check_sources()
+
+    def _largest_file(self) -> Path:
+        per_file: dict[Path, int] = defaultdict(int)
+        for unit in self.engine.streamed:
+            for _, p in unit.params:
+                src = self.loader.source(p)
+                if src is not None:
+                    per_file[src.path] += src.nbytes
+        return max(per_file, key=lambda f: per_file[f])
+
+    def _check_sources(self) -> None:
+        """Disk units are copied from the files as stored: each tensor must match its source."""
+        for u in self.disk_units:
+            for name, p in self.engine.streamed[u].params:
+                src = self.loader.source(p)
+                if src is None:
+                    raise ConfigError(f"route='nvme': parameter {name!r} has no tensor in the checkpoint to read")
+                if src.dtype != p.dtype or src.nbytes != tensor_nbytes(p):
+                    raise ConfigError(
+                        f"route='nvme' streams tensors from the files as stored, but {name!r} is {src.dtype} in "
+                        f"{src.path.name} and {p.dtype} in the model; pass dtype=None to from_pretrained (keep "
+                        "the file's dtype), convert the checkpoint, or use route='linear'"
+                    )
+
+    # -- attach ------------------------------------------------------------------------------------
+    def build(self) -> None:
+        e = self.engine
+        if self.cached_units:
+            pin = e.device.type == "cuda"
+            self.slabs = SlabSet(self.cached_units, pin=pin, ordinal=e.device.index or 0, keep_warm=False)
+            self.slabs.pack(self.loader)
+        for u in self.disk_units:
+            views = []
+            for _, p in e.streamed[u].params:
+                src = self.loader.take(p)
+                hollow = _placeholder(p)
+                self._disk_params.append((p, src))
+                p.data = hollow  # frees the unread buffer from unmeta()
+                views.append(hollow)
+            self._hollow_views[u] = views
+
+    def open_transport(self, n_slots: int, slot_bytes: int, offsets: list[list[int]], copy_stream: int) -> Any:
+        e, pre = self.engine, self.engine.preset
+        # a ring buffer holds at most one unit's aligned reads: small models do not get 4 x 64 MiB
+        unit_read = -(-(slot_bytes + 2 * READ_ALIGN) // (1 << 20)) << 20
+        self.staging_buffer_bytes = min(pre.staging_buffer_mib << 20, unit_read)
+        staging = (pre.staging_buffers, self.staging_buffer_bytes, pre.staging_threads, True)
+        transport = _native.Transport(e.device.type, e.device.index or 0, n_slots, copy_stream, staging,
+                                      stage_host=False)
+        try:
+            file_ids: dict[Path, int] = {}
+            for u in self.disk_units:
+                pieces = []
+                for (_, p), off in zip(e.streamed[u].params, offsets[u]):
+                    src = self.loader.source(p)
+                    if src.path not in file_ids:
+                        file_ids[src.path] = transport.open_file(str(src.path))
+                    pieces.append((file_ids[src.path], src.offset, src.nbytes, off))
+                self._file_unit[u] = transport.add_file_unit(pieces, READ_GAP_BYTES)
+            self._file_ids = {p.name: i for p, i in file_ids.items()}
+        except BaseException:
+            transport.close()
+            raise
+        return transport
+
+    # -- the pipeline ------------------------------------------------------------------------------
+    def fetch(self, transport: Any, u: int, slot: int, dst: int) -> None:
+        ci = self._cache_index.get(u)
+        if ci is None:
+            transport.fetch_file(slot, dst, self._file_unit[u])
+        else:
+            transport.fetch(slot, dst, self.slabs.unit_ptr(ci), self.slabs.unit_nbytes[ci])
+
+    def host_views(self, u: int) -> list[torch.Tensor]:
+        ci = self._cache_index.get(u)
+        return self.slabs.host_views[ci] if ci is not None else self._hollow_views[u]
+
+    def all_views(self) -> list[torch.Tensor]:
+        return _slab_views(self.slabs)
+
+    def call_started(self, transport: Any) -> None:
+        if not self._disk_params:
+            return
+        self._disk_bytes0 = transport.disk_stats()[1] if transport is not None else 0
+        try:
+            self.loader.checkpoint.check_unchanged()  # one stat per file: a changed file stops the call
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"{type(self.engine.module).__name__} is offloaded with route='nvme' and reads weights from its "
+                f"files on every call, but {exc}. The offload cannot go on: remove() it and load the model again"
+            ) from exc
+
+    def call_finished(self, transport: Any) -> None:
+        if self._disk_params and transport is not None:
+            self.disk_call_bytes.append(transport.disk_stats()[1] - self._disk_bytes0)
+
+    # -- removal: disk units come back into ordinary memory ----------------------------------------
+    def before_release(self) -> CheckpointError | None:
+        disk, self._disk_params = self._disk_params, []
+        if not disk:
+            return None
+        try:
+            self.loader.checkpoint.check_unchanged()
+            pairs = [(src, torch.empty(p.shape, dtype=p.dtype)) for p, src in disk]
+            self.loader.read_many(pairs)
+            for (p, _), (_, t) in zip(disk, pairs):
+                p.data = t  # the engine then moves it to its original device
+        except CheckpointError as exc:
+            names = {id(p): n for n, p in self.engine.module.named_parameters()}
+            for p, _ in disk:
+                self.engine.orig_device.pop(id(p), None)  # stays a NaN placeholder: unusable rather than wrong
+                self.lost.append(names.get(id(p), "?"))
+            return CheckpointError(
+                f"the offload of {type(self.engine.module).__name__} was removed, but {len(disk)} tensors read from "
+                f"disk could not be restored ({exc}); they were left as empty placeholders (NaN): load the model again"
+            )
+        except BaseException as exc:
+            # nothing is detached yet: the offload stays in place and working, remove() can be retried
+            self._disk_params = disk
+            if isinstance(exc, MemoryError):
+                nbytes = sum(p.numel() * p.element_size() for p, _ in disk)
+                raise OffloadMemoryError(
+                    f"removing the offload of {type(self.engine.module).__name__} reads the {len(disk)} tensors "
+                    f"kept on disk back into host RAM ({fmt_bytes(nbytes)}), and that allocation failed ({exc}). "
+                    "The offload is still in place and the module still runs: free host memory and call "
+                    "remove() again, or keep the offload"
+                ) from exc
+            raise
+        return None
+
+    def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
+        self._hollow_views = {}
+        if self.slabs is not None:
+            self.slabs.release(orig_device, keep_warm=False)
+            self.slabs = None
+
+    def closed(self, transport: Any) -> None:
+        self._final_disk_stats = transport.disk_stats()
+
+    def disk_figures(self) -> tuple[float, int] | None:
+        """The disk's read rate (B/s) and the bytes read from it per call."""
+        return (self.disk_bytes_per_s, self.disk_bytes) if self.disk_bytes_per_s else None
+
+    def sim_args(self) -> tuple:
+        if self.disk_bytes_per_s is None:
+            return ()
+        from_disk = list(self.cache_plan["from_disk"]) if self.cache_plan else [False] * len(self.engine.units)
+        return from_disk, self.disk_bytes_per_s
+
+    # -- report ------------------------------------------------------------------------------------
+    @property
+    def cached_bytes(self) -> int:
+        return sum(self.engine.unit_bytes[u.index] for u in self.cached_units)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Unit bytes read from disk per call (before alignment)."""
+        return sum(self.engine.unit_bytes[self.engine.streamed[u].index] for u in self.disk_units)
+
+    def report_sections(self, transport: Any) -> dict[str, dict[str, Any]]:
+        stats = transport.disk_stats() if transport is not None else self._final_disk_stats
+        if transport is not None:
+            self._direct_files = {n: bool(transport.file_is_direct(i)) for n, i in self._file_ids.items()}
+        last = self.disk_call_bytes[-1] if self.disk_call_bytes else None
+        return {
+            "plan": {
+                "ram_budget_bytes": self.ram_budget,
+                "cached_units": len(self.cached_units),
+                "cached_bytes": self.cached_bytes,
+                "disk_units": len(self.disk_units),
+                "disk_bytes": self.disk_bytes,
+                "staging_bytes": self.engine.preset.staging_buffers * self.staging_buffer_bytes,
+                "predicted_step_s": self.cache_plan["predicted_step_s"] if self.cache_plan
+                else self.engine.plan["predicted_step_s"],
+            },
+            "setup": {
+                "disk_probe": self.disk_probe,
+                "o_direct_files": ", ".join(f"{n}: {'yes' if d else 'no'}" for n, d in self._direct_files.items())
+                or None,
+            },
+            "runtime": {
+                "file_fetches": stats[0],
+                "disk_total_bytes": stats[1],
+                "disk_call_bytes": last,
+            },
+        }
+
