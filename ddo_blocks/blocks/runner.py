@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import routes
 from ..budget import fmt_bytes
 from ..errors import ConfigError
 from ..report import Report
@@ -61,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
         flag = stage.replace("_", "-")
         g = p.add_argument_group(f"{stage} stage")
         g.add_argument(f"--{flag}-route", dest=f"{stage}_route", default=None,
-                       choices=("linear", "resident", "diffusers", "off"),
+                       choices=[n for n, spec in routes.REGISTRY.items() if not spec.needs_files],
                        help=f"route for the {stage} components (default with --preset auto: "
                             f"{defaults.describe(stage)})")
         g.add_argument(f"--{flag}-preset", dest=f"{stage}_preset", default=None,
@@ -111,9 +112,10 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
             route = job.routes.get(stage)
             preset = preset if preset is not None else job.presets.get(stage)
             budget = budget if budget is not None else job.budgets.get(stage)
-        if budget == "min" and route not in (None, "linear"):
-            raise ConfigError(f"--{stage.replace('_', '-')}-budget min applies to the linear route only; "
-                              f"route {route!r} was asked")
+        if budget == "min" and route is not None and not routes.get(route).streams:
+            streaming = ", ".join(n for n, spec in routes.REGISTRY.items() if spec.streams)
+            raise ConfigError(f"--{stage.replace('_', '-')}-budget min applies to the routes that stream "
+                              f"({streaming}); route {route!r} was asked")
         if route is None and preset is None and budget is None and offload_type is None:
             continue
         policy: dict[str, Any] = {}
