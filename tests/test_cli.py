@@ -55,3 +55,22 @@ def test_report_is_versioned_json_with_a_table(flux):
     assert "transformer" in text and "streamed_units" in text
     assert "<table>" in report._repr_html_()
     handle.remove()
+
+
+def test_budget_min_is_for_the_routes_that_stream():
+    import argparse
+
+    import pytest
+
+    from ddo_blocks.blocks.runner import STAGES, stage_policies
+
+    ns = argparse.Namespace(preset="off", **{f"{s}_{k}": None for s in STAGES for k in ("route", "preset", "budget",
+                                                                                      "offload_type")})
+    ns.text_encoder_route, ns.text_encoder_budget = "resident", "min"
+
+    class Blocks:
+        sub_blocks = {"text_encoder": None}
+
+    with pytest.raises(ddo_blocks.ConfigError, match="budget min applies to the routes that stream \\(linear, nvme\\); "
+                                                      "route 'resident' was asked"):
+        stage_policies(ns, {}, Blocks())
