@@ -33,6 +33,7 @@ from .errors import (
     PlanError,
 )
 from .loading import from_pretrained
+from .pipeline import PipelineOffload, offload_pipeline
 from .report import Report
 from .streaming.slabs import release_warm_slabs, warm_bytes
 
@@ -59,6 +60,7 @@ __all__ = [
     "OffloadPolicy",
     "OffloadResult",
     "OffloadStateError",
+    "PipelineOffload",
     "PlanError",
     "Report",
     "__version__",
@@ -68,6 +70,7 @@ __all__ = [
     "get_handle",
     "minimum_budget",
     "offload",
+    "offload_pipeline",
     "parse_bytes",
     "presets",
     "routes",

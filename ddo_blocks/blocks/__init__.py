@@ -9,11 +9,11 @@ VRAM budget, and report what they did.
 See ``docs/blocks.md``.
 """
 
+from ..execution_device import ExecutionDeviceHook
 from .block import (
     REPORTS_KEY,
     DecodeBlock,
     DenoiseBlock,
-    ExecutionDeviceHook,
     OffloadBlock,
     TextEncoderBlock,
     module_components,

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import torch
-from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from diffusers.modular_pipelines import (
     ConditionalPipelineBlocks,
     ModularPipelineBlocks,
@@ -28,6 +27,7 @@ from torch import nn
 
 from ..api import OffloadHandle, get_handle, offload, resolve_device
 from ..errors import ConfigError, DdoError, OffloadStateError
+from ..execution_device import add_device_hook, remove_device_hook
 from ..report import Report
 from .policy import OffloadPolicy, default_policy, parse_stage_policy
 
@@ -44,34 +44,6 @@ def module_components(stage: ModularPipelineBlocks) -> list[str]:
         if isinstance(hint, type) and issubclass(hint, nn.Module) and spec.name not in out:
             out.append(spec.name)
     return out
-
-
-class ExecutionDeviceHook(ModelHook):
-    """An accelerate hook that only carries ``execution_device`` (it changes no input or output).
-
-    ``ModularPipeline._execution_device`` asks the first component's accelerate hook for the device
-    when no component uses group offloading; without it, a component whose weights sit in host memory
-    would make the pipeline create its latents on the CPU.
-    """
-
-    _ddo_owned = True
-    no_grad = False
-
-    def __init__(self, execution_device: torch.device):
-        self.execution_device = execution_device
-
-    def __repr__(self) -> str:
-        return f"ddo_blocks.ExecutionDeviceHook({self.execution_device})"
-
-
-def _add_device_hook(module: nn.Module, device: torch.device) -> None:
-    if not getattr(getattr(module, "_hf_hook", None), "_ddo_owned", False):
-        add_hook_to_module(module, ExecutionDeviceHook(device))
-
-
-def _remove_device_hook(module: nn.Module) -> None:
-    if getattr(getattr(module, "_hf_hook", None), "_ddo_owned", False):
-        remove_hook_from_module(module)
 
 
 def _foreign_offload(module: nn.Module) -> str | None:
@@ -270,7 +242,7 @@ class OffloadBlock(ModularPipelineBlocks):
                     setattr(handle, _POLICY_ATTR, (policy, self.device))
                     created.append(name)
                 if policy.spec.device_hook:
-                    _add_device_hook(module, self.device)
+                    add_device_hook(module, self.device)
                 self._handles[name] = handle
         except BaseException:
             for name in created:
@@ -282,7 +254,7 @@ class OffloadBlock(ModularPipelineBlocks):
         handle = self._handles.pop(name, None)
         if handle is not None and not handle.removed:
             handle.remove()
-            _remove_device_hook(handle.module)
+            remove_device_hook(handle.module)
 
     def release(self) -> None:
         """Takes the weights of components whose policy says ``release`` off the device. The device
@@ -390,7 +362,7 @@ def remove_offload(pipe: Any) -> int:
         if handle is not None and getattr(handle, _POLICY_ATTR, None) is not None and not handle.removed:
             handle.remove()
             removed += 1
-        _remove_device_hook(module)
+        remove_device_hook(module)
     blocks = getattr(pipe, "_blocks", None)
     for block in _walk(blocks):
         if isinstance(block, OffloadBlock):

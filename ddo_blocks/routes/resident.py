@@ -127,6 +127,7 @@ RESIDENT = RouteSpec(
     factory=_resident,
     device_hook=True,
     releasable=True,
+    holds_all=True,
     check=check_resident,
 )
 OFF = RouteSpec(

@@ -157,6 +157,8 @@ class RouteSpec:
         releasable: a block policy's ``release`` takes its weights off the device after the stage.
         places_weights: the route moves weights (``off`` does not): a module that diffusers or
             accelerate already offloads is refused.
+        holds_all: every weight stays on the device while attached (``resident``): what a
+            pipeline-wide budget must count for it.
         check: validates a module, preset, budget, device and options before anything moves (blocks
             call it for every stage before the first runs; ``offload`` before the factory).
     """
@@ -174,6 +176,7 @@ class RouteSpec:
     device_hook: bool = False
     releasable: bool = False
     places_weights: bool = True
+    holds_all: bool = False
     check: Callable[..., None] | None = None
     preset_map: dict[str, Preset] = field(init=False, repr=False, compare=False)
 

@@ -1,0 +1,236 @@
+"""``offload_pipeline()``: one line for a classic Diffusers pipeline (``FluxPipeline``,
+``WanPipeline``, ``QwenImagePipeline``, ``StableDiffusion3Pipeline``, ...), as
+``pipe.enable_model_cpu_offload()`` is one line, but within a VRAM budget and at the link's speed.
+
+Every component with weights gets a policy by default, all of them inside the one ``vram_budget``:
+
+- the denoiser (``transformer``, else ``unet``, else the largest component) streams on the linear
+  route with what the others leave of the budget;
+- each other component (text encoders, VAE) stays resident when it is small (at most a tenth of the
+  budget), else streams on the linear route at its minimum budget (two slots of its largest unit
+  plus what never streams).
+
+Any component can be given its own policy as a keyword (a route name, a mapping such as
+``{"route": "linear", "vram_budget": "2GiB"}``, or an ``OffloadPolicy``). Everything is validated,
+budgets included, before any weight moves. Components that hold weights in host memory get the
+execution-device hook, so ``pipe._execution_device`` is the GPU and latents are made there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import torch
+from torch import nn
+
+from . import routes
+from .api import OffloadHandle, get_handle, minimum_budget, offload, resolve_device
+from .budget import fmt_bytes, parse_bytes
+from .errors import BudgetError, ConfigError, DdoError, OffloadStateError
+from .report import Report
+from .streaming.guards import foreign_offload
+
+SMALL_FRACTION = 0.1
+"""A component of at most this fraction of the budget stays resident by default."""
+
+DENOISERS = ("transformer", "unet")
+
+
+def _weights(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+@dataclass
+class PipelineOffload:
+    """The offload of a whole pipeline: one handle per component, one ``report()`` and ``remove()``."""
+
+    pipeline: Any
+    handles: dict[str, OffloadHandle]
+    vram_budget: int | None
+    device: torch.device
+    policies: dict[str, Any] = field(default_factory=dict)
+
+    def report(self) -> dict[str, Report]:
+        """Every component's report, by component name."""
+        return {name: h.report() for name, h in self.handles.items()}
+
+    @property
+    def gpu_bytes(self) -> int:
+        """The weights every component keeps on the device (resident parts and slots)."""
+        return sum(r["plan"].get("gpu_bytes") or 0 for r in self.report().values())
+
+    def remove(self) -> None:
+        """Removes every component's offload and restores the pipeline."""
+        from .execution_device import remove_device_hook
+
+        errors: list[BaseException] = []
+        for handle in self.handles.values():
+            remove_device_hook(handle.module)
+            if not handle.removed:
+                try:
+                    handle.remove()
+                except DdoError as exc:  # remove the others; report the first
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}: {h.route}/{h.preset.name}" for n, h in self.handles.items())
+        return f"PipelineOffload({type(self.pipeline).__name__} on {self.device}: {parts})"
+
+
+def _modules(pipe: Any) -> dict[str, nn.Module]:
+    if isinstance(pipe, nn.Module):
+        raise ConfigError(
+            f"offload_pipeline() takes a pipeline, got the module {type(pipe).__name__}; use "
+            "ddo_blocks.offload(module, ...) for one component"
+        )
+    components = getattr(pipe, "components", None)
+    if not isinstance(components, dict):
+        raise ConfigError(
+            f"offload_pipeline() takes a Diffusers pipeline (with .components), got {type(pipe).__name__}"
+        )
+    from diffusers.modular_pipelines import ModularPipeline
+
+    if isinstance(pipe, ModularPipeline):
+        raise ConfigError(
+            "offload_pipeline() is for classic pipelines; a ModularPipeline places its components per stage: "
+            "wrap its blocks with ddo_blocks.wrap(blocks, ...) before init_pipeline()"
+        )
+    return {n: m for n, m in components.items() if isinstance(m, nn.Module)}
+
+
+def _denoiser(modules: dict[str, nn.Module]) -> str:
+    for name in DENOISERS:
+        if name in modules:
+            return name
+    return max(modules, key=lambda n: _weights(modules[n]))
+
+
+def _check_not_offloaded(modules: dict[str, nn.Module]) -> None:
+    for name, module in modules.items():
+        conflict = foreign_offload(module)
+        if conflict is not None:
+            raise OffloadStateError(
+                f"pipeline component {name!r} ({type(module).__name__}) {conflict}; offload_pipeline() places every "
+                "component itself: remove that offloading first (pipe.remove_all_hooks() for accelerate's)"
+            )
+        handle = get_handle(module)
+        if handle is not None:
+            raise OffloadStateError(
+                f"pipeline component {name!r} is already offloaded ({handle!r}); call remove() on that handle "
+                "first, or pass that component's policy to offload_pipeline() instead"
+            )
+
+
+def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str,
+                  given: dict[str, Any]) -> dict[str, Any]:
+    """Each component's policy (see the module's docstring), every budget inside ``budget``."""
+    from .blocks.policy import OffloadPolicy
+
+    denoiser = _denoiser(modules)
+    policies: dict[str, OffloadPolicy] = {}
+    for name, value in given.items():
+        policies[name] = OffloadPolicy.parse(value, default=OffloadPolicy(), where=f"component {name!r}")
+    used: list[tuple[str, int, str]] = []  # (component, device bytes, why)
+    for name, module in modules.items():
+        if name == denoiser:
+            continue
+        if name not in policies:
+            size = _weights(module)
+            if budget is None or size <= SMALL_FRACTION * budget:
+                policies[name] = OffloadPolicy(route="resident")
+            else:
+                policies[name] = OffloadPolicy(route="linear", vram_budget=minimum_budget(module))
+        pol = policies[name]
+        spec = routes.get(pol.route)
+        if spec.streams:
+            need = pol.vram_budget if pol.vram_budget is not None else _weights(modules[name])
+        elif spec.holds_all:
+            need = _weights(modules[name])
+        else:
+            need = 0  # diffusers group offloading and off keep nothing on the device between calls
+        used.append((name, need, pol.describe()))
+    if denoiser not in policies:
+        left = None
+        if budget is not None:
+            left = budget - sum(n for _, n, _ in used)
+            need = minimum_budget(modules[denoiser])
+            if left < need:
+                others = ", ".join(f"{n} ({why}: {fmt_bytes(b)})" for n, b, why in used) or "nothing"
+                raise BudgetError(
+                    f"vram_budget={fmt_bytes(budget)} leaves {fmt_bytes(max(left, 0))} for the {denoiser} after {others}, "
+                    f"below its minimum of {fmt_bytes(need)}; raise vram_budget to at least "
+                    f"{fmt_bytes(budget - left + need)}, or give the other components routes that keep less on the "
+                    "device (e.g. text_encoder='diffusers')"
+                )
+        policies[denoiser] = OffloadPolicy(route="linear", preset=preset, vram_budget=left)
+    return policies
+
+
+def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device: str | torch.device = "cuda",
+                     preset: str = "auto", **components: Any) -> PipelineOffload:
+    """Offloads every component of a classic Diffusers pipeline within one VRAM budget.
+
+    Args:
+        pipe: a ``DiffusionPipeline`` (``FluxPipeline``, ``WanPipeline``, ...), components on the CPU.
+        vram_budget: bytes or a string such as ``"8GiB"`` for all the components' weights on the device
+            together (activations come on top). ``None``: no limit (everything resident).
+        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+        preset: the linear route's preset for the denoiser.
+        **components: a policy for any component by name (``text_encoder_2="diffusers"``,
+            ``transformer={"route": "linear", "vram_budget": "6GiB"}``); the others get the defaults.
+
+    Returns:
+        A :class:`PipelineOffload` (``report()``, ``remove()``, a context manager).
+
+    Raises:
+        ConfigError: not a classic pipeline, an unknown component, route, preset or option.
+        BudgetError: the budget cannot hold the components as planned (the message gives the split).
+        OffloadStateError: a component is already offloaded (by diffusers, accelerate or ddo_blocks).
+    """
+    modules = _modules(pipe)
+    unknown = sorted(set(components) - set(modules))
+    if unknown:
+        raise ConfigError(
+            f"{type(pipe).__name__} has no component(s) with weights named {', '.join(unknown)}; its components "
+            f"with weights are {', '.join(modules) or 'none'}"
+        )
+    if not modules:
+        raise ConfigError(f"{type(pipe).__name__} has no component with weights to offload")
+    _check_not_offloaded(modules)
+    budget = parse_bytes(vram_budget, what="vram_budget")
+    dev = resolve_device(device)
+    routes.resolve("linear", preset)
+    policies = plan_policies(modules, budget, preset, components)
+    for name, pol in policies.items():
+        try:
+            pol.check(dev, modules[name], name)
+        except DdoError as exc:
+            raise type(exc)(f"component {name!r}: {exc}") from None
+    from .execution_device import add_device_hook, remove_device_hook
+
+    handles: dict[str, OffloadHandle] = {}
+    try:
+        for name, module in modules.items():
+            pol = policies[name]
+            try:
+                handles[name] = offload(module, device=dev, component=name, **pol.offload_kwargs())
+            except DdoError as exc:  # name the component; keep the class (BudgetError, ...)
+                raise type(exc)(f"component {name!r}: {exc}") from exc
+            if pol.spec.device_hook:
+                add_device_hook(module, dev)
+    except BaseException:
+        for name, handle in handles.items():
+            remove_device_hook(modules[name])
+            if not handle.removed:
+                handle.remove()
+        raise
+    return PipelineOffload(pipe, handles, budget, dev, policies)

@@ -1,0 +1,88 @@
+"""offload_pipeline(): one line for a classic Diffusers pipeline, exact, within one budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddo_blocks
+from ddo_blocks import BudgetError, ConfigError, OffloadStateError
+
+from .helpers import assert_restored, snapshot
+
+
+@pytest.fixture(scope="module")
+def flux_dir():
+    from ddo_blocks.tiny_pipeline import ensure_tiny_model
+
+    return ensure_tiny_model("flux")
+
+
+@pytest.fixture
+def pipe(flux_dir):
+    from diffusers import FluxPipeline
+
+    from ddo_blocks.tiny_pipeline import load_components
+
+    return FluxPipeline(**load_components(flux_dir))
+
+
+def _image(pipe):
+    with torch.no_grad():
+        return pipe("a photo of a cat", num_inference_steps=2, height=32, width=32, output_type="pt",
+                    generator=torch.Generator().manual_seed(0)).images
+
+
+def _modules(pipe):
+    return {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+
+
+def test_classic_pipeline_exact_within_one_budget(pipe):
+    ref = _image(pipe)
+    snaps = {n: snapshot(m) for n, m in _modules(pipe).items()}
+    minimum = ddo_blocks.minimum_budget(pipe.transformer)
+    weights = sum(sum(p.numel() * p.element_size() for p in m.parameters()) for m in _modules(pipe).values())
+    budget = int(weights * 0.8)
+    off = ddo_blocks.offload_pipeline(pipe, vram_budget=budget, device="cpu")
+    assert set(off.handles) == set(_modules(pipe))
+    assert off.handles["transformer"].route == "linear"
+    assert off.policies["transformer"].vram_budget >= minimum
+    assert off.gpu_bytes <= budget
+    assert torch.equal(_image(pipe), ref)
+    assert torch.equal(_image(pipe), ref)
+    reports = off.report()
+    assert set(reports) == set(off.handles) and reports["transformer"]["runtime"]["calls"] == 4
+    hook = pipe.transformer._hf_hook
+    assert getattr(hook, "_ddo_owned", False) and hook.execution_device == torch.device("cpu")
+    assert pipe._execution_device == torch.device("cpu")
+    off.remove()
+    for name, module in _modules(pipe).items():
+        assert_restored(module, snaps[name])
+        assert not hasattr(module, "_hf_hook"), name
+    assert torch.equal(_image(pipe), ref)
+
+
+def test_per_component_policies_and_their_errors(pipe):
+    ref = _image(pipe)
+    with ddo_blocks.offload_pipeline(pipe, device="cpu", text_encoder_2="diffusers", vae="resident") as off:
+        assert off.handles["text_encoder_2"].route == "diffusers" and off.handles["vae"].route == "resident"
+        assert torch.equal(_image(pipe), ref)
+    with pytest.raises(ConfigError, match="has no component\\(s\\) with weights named unet"):
+        ddo_blocks.offload_pipeline(pipe, device="cpu", unet="linear")
+    with pytest.raises(ConfigError, match="takes a pipeline, got the module"):
+        ddo_blocks.offload_pipeline(pipe.transformer, device="cpu")
+    with pytest.raises(ConfigError, match="takes one component .* pipe.transformer"):
+        ddo_blocks.offload(pipe, device="cpu")
+    with pytest.raises(ConfigError, match="minimum_budget\\(\\) takes one component"):
+        ddo_blocks.minimum_budget(pipe)
+    with pytest.raises(BudgetError, match="leaves .* for the transformer after .* below its minimum"):
+        ddo_blocks.offload_pipeline(pipe, vram_budget=ddo_blocks.minimum_budget(pipe.transformer), device="cpu",
+                                    vae="resident", text_encoder="resident")
+    assert all(ddo_blocks.get_handle(m) is None for m in _modules(pipe).values())  # nothing placed
+
+
+def test_refuses_a_pipeline_offloaded_by_diffusers(pipe):
+    pipe.transformer.enable_group_offload(torch.device("cpu"), offload_type="leaf_level")
+    with pytest.raises(OffloadStateError, match="component 'transformer' .* diffusers group offloading"):
+        ddo_blocks.offload_pipeline(pipe, device="cpu")
+    assert all(ddo_blocks.get_handle(m) is None for m in _modules(pipe).values())
