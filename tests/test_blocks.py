@@ -214,7 +214,7 @@ def test_budget_below_the_largest_unit_is_a_budget_error(components):
     blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="off", decode="off",
                              denoise={"route": "linear", "vram_budget": 1024})
     snaps = _run_expecting(blocks, components, BudgetError,
-                           "stage 'denoise', component 'transformer': VRAM budget 1.00 KiB is below the minimum "
+                           "stage 'denoise', component 'transformer': vram_budget=1.00 KiB is below the minimum "
                            ".* largest unit")
     assert ddo_blocks.get_handle(components["transformer"]) is None
     assert_restored(components["transformer"], snaps["transformer"])
@@ -235,7 +235,8 @@ def test_route_the_component_cannot_use(components, monkeypatch):
     blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="off", denoise="off",
                              decode={"route": "diffusers"})
     snaps = _run_expecting(blocks, components, ConfigError,
-                           "stage 'decode', component 'vae': vae \\(AutoencoderKL\\) does not support diffusers group "
+                           "stage '(vae_encoder|decode)', component 'vae': vae \\(AutoencoderKL\\) does not support "
+                           "diffusers group "
                            "offloading.*"
                            "use route='linear' or route='resident'")
     assert_restored(components["vae"], snaps["vae"])
@@ -326,3 +327,22 @@ def test_linear_route_option_units_passes_through():
     assert policy.offload_kwargs()["units"] == "child"
     with pytest.raises(ddo_blocks.ConfigError, match="units"):
         OffloadPolicy(route="linear", options={"unit": "child"})
+
+
+def test_every_stage_is_checked_before_the_first_one_runs(components):
+    """A budget below the denoiser's minimum fails before the text encoders run, with one clean error
+    from validate() (the staged scripts call it before the pipeline) and from the pipeline itself."""
+    calls = {"n": 0}
+    hook = components["text_encoder"].register_forward_pre_hook(lambda m, a: calls.__setitem__("n", calls["n"] + 1))
+    blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="resident", decode="off",
+                             denoise={"route": "linear", "vram_budget": "10KiB"})
+    pipe = blocks.init_pipeline()
+    pipe.update_components(**components)
+    match = "stage 'denoise', component 'transformer': vram_budget=10.00 KiB is below the minimum"
+    with pytest.raises(BudgetError, match=match):
+        ddo_blocks.blocks.validate(pipe)
+    with pytest.raises(BudgetError, match=match):
+        pipe(prompt="a cat", generator=torch.Generator().manual_seed(0), output_type="pt", **CALL_DEFAULTS["flux"])
+    hook.remove()
+    assert calls["n"] == 0, "a text encoder ran before the error"
+    assert all(ddo_blocks.get_handle(m) is None for m in components.values() if isinstance(m, torch.nn.Module))

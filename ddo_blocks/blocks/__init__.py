@@ -18,6 +18,7 @@ from .block import (
     TextEncoderBlock,
     module_components,
     remove_offload,
+    validate,
 )
 from .policy import PIPELINE_PRESETS, OffloadPolicy, default_policy, parse_stage_policy
 from .wrap import wrap
@@ -33,6 +34,7 @@ __all__ = [
     "TextEncoderBlock",
     "default_policy",
     "module_components",
+    "validate",
     "parse_stage_policy",
     "remove_offload",
     "wrap",

@@ -25,8 +25,9 @@ from diffusers.modular_pipelines import (
 )
 from torch import nn
 
-from ..api import OffloadHandle, get_handle, offload, resolve_device
-from ..errors import ConfigError, DdoError, OffloadStateError
+from ..api import OffloadHandle, get_handle, minimum_budget, offload, resolve_device
+from ..budget import fmt_bytes
+from ..errors import BudgetError, ConfigError, DdoError, OffloadStateError
 from ..execution_device import add_device_hook, remove_device_hook
 from ..report import Report
 from .policy import OffloadPolicy, default_policy, parse_stage_policy
@@ -221,6 +222,33 @@ class OffloadBlock(ModularPipelineBlocks):
             raise type(exc)(f"stage {self.stage!r}, component {name!r}: {exc}") from None
         return None
 
+    def validate(self, components: Any) -> None:
+        """Checks every managed component against its policy without placing anything: offloads
+        already attached, the route's own checks, budgets against the component's minimum, routes
+        that need the model's files. Called for every block of a pipeline before its first stage runs."""
+        for name, module in self._modules(components).items():
+            policy = self.component_policies[name]
+            self._check(name, module, policy)
+            if get_handle(module) is not None:
+                continue  # adopted: checked when it was placed
+            spec = policy.spec
+            where = f"stage {self.stage!r}, component {name!r}"
+            if spec.needs_files:
+                raise ConfigError(
+                    f"{where}: route {spec.name!r} streams from the model's files, and a pipeline's component is "
+                    "already loaded; load it with ddo_blocks.from_pretrained(..., route='nvme') and pass it to the "
+                    "pipeline with route='off', or use route='linear'"
+                )
+            if spec.streams and policy.vram_budget is not None:
+                need = minimum_budget(module, units=policy.options.get("units", "auto"))
+                if policy.vram_budget < need:
+                    raise BudgetError(
+                        f"{where}: vram_budget={fmt_bytes(policy.vram_budget)} is below the minimum of "
+                        f"{fmt_bytes(need)} ({need} bytes) for {type(module).__name__} on route {spec.name!r} "
+                        "(its always-resident weights plus two slots of its largest unit); raise the budget "
+                        "(ddo_blocks.minimum_budget(module) gives it; on the command line: --<stage>-budget min)"
+                    )
+
     def place(self, components: Any) -> dict[str, OffloadHandle]:
         """Places every managed component (validating all of them first). Called before each run;
         reuses the handles of earlier runs. On an error, nothing this call placed stays placed."""
@@ -301,6 +329,8 @@ class OffloadBlock(ModularPipelineBlocks):
     def __call__(self, components: Any, state: PipelineState):
         if not self.will_run(state):
             return self._block(components, state)
+        if self._runs == 0:  # errors before work: every stage of the pipeline, before this one runs
+            validate(components)
         self.place(components)
         cuda = self.device.type == "cuda"
         if cuda:
@@ -349,6 +379,18 @@ STAGE_FORMS: dict[str, type[OffloadBlock]] = {
     "denoise": DenoiseBlock,
     "decode": DecodeBlock,
 }
+
+
+def validate(pipe: Any) -> None:
+    """Checks every DDO block of ``pipe`` (a ``ModularPipeline``) against its components before
+    anything runs or moves: the errors ``place()`` would raise stage by stage, at once.
+
+    Raises:
+        ConfigError, BudgetError, OffloadStateError: as ``offload()`` would, naming stage and component.
+    """
+    for block in _walk(getattr(pipe, "_blocks", None)):
+        if isinstance(block, OffloadBlock):
+            block.validate(pipe)
 
 
 def remove_offload(pipe: Any) -> int:

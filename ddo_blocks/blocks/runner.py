@@ -21,7 +21,7 @@ from .. import routes
 from ..budget import fmt_bytes
 from ..errors import ConfigError
 from ..report import Report
-from .block import REPORTS_KEY, remove_offload
+from .block import REPORTS_KEY, remove_offload, validate
 from .policy import PIPELINE_PRESETS
 from .wrap import wrap
 
@@ -172,6 +172,7 @@ def run(
     wrapped = wrap(blocks, device=args.device, preset=args.preset, **policies)
     pipe = wrapped.init_pipeline()
     pipe.update_components(**components)
+    validate(pipe)  # every stage's policy against its components, before the first stage runs
     for name, block in wrapped.sub_blocks.items():
         desc = getattr(block, "component_policies", None)
         if desc:
