@@ -19,7 +19,7 @@ def _doctor() -> int:
     print(f"ddo_blocks {__version__}, torch {torch.__version__}")
     reason = _native.cuda_unavailable_reason()
     if reason:
-        print(f"CUDA: not available ({reason})")
+        print(f"CUDA: not available: {reason.removeprefix('CUDA is not available: ')}")
         return 0
     print(f"CUDA driver {_native.cuda_driver_version()}, {_native.cuda_device_count()} device(s)")
     if torch.cuda.is_available():

@@ -36,11 +36,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return dev
     if dev.type != "cuda":
         raise ConfigError(f"device={device!r} is not supported; use 'cuda', 'cuda:N' or 'cpu'")
-    reason = _native.cuda_unavailable_reason()
+    reason = _native.cuda_unavailable_reason()  # says what to do itself
     if reason is None and not torch.cuda.is_available():
-        reason = "PyTorch reports no CUDA device (a CPU-only build of torch, or CUDA_VISIBLE_DEVICES is empty)"
+        reason = ("PyTorch reports no CUDA device (a CPU-only build of torch, or CUDA_VISIBLE_DEVICES is empty); "
+                  "use device='cpu' here")
     if reason is not None:
-        raise CudaNotAvailableError(f"device={str(device)!r} was asked but {reason}; use device='cpu' here")
+        raise CudaNotAvailableError(f"device={str(device)!r} was asked but {reason}")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
         raise CudaNotAvailableError(

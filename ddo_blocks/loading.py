@@ -315,6 +315,11 @@ def from_pretrained(
     """
     from .api import offload
 
+    if "torch_dtype" in options:
+        raise ConfigError(
+            f"from_pretrained() takes dtype=, not torch_dtype= (got torch_dtype={options['torch_dtype']!r}); "
+            "pass dtype=torch.bfloat16, or leave it out to take the config's torch_dtype"
+        )
     directory = Path(path) / subfolder if subfolder else Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory; pass the model directory (and subfolder=)")

@@ -30,7 +30,8 @@ def test_doctor_says_what_this_machine_has():
     assert lines[0] == f"ddo_blocks {ddo_blocks.__version__}, torch {torch.__version__}"
     reason = _native.cuda_unavailable_reason()
     if reason is not None:
-        assert lines[1:] == [f"CUDA: not available ({reason})"]
+        assert lines[1:] == [f"CUDA: not available: {reason.removeprefix('CUDA is not available: ')}"]
+        assert lines[1].count("not available") == 1
     else:
         assert lines[1] == f"CUDA driver {_native.cuda_driver_version()}, {_native.cuda_device_count()} device(s)"
         if torch.cuda.is_available():
@@ -74,3 +75,44 @@ def test_budget_min_is_for_the_routes_that_stream():
     with pytest.raises(ddo_blocks.ConfigError, match="budget min applies to the routes that stream \\(linear, nvme\\); "
                                                       "route 'resident' was asked"):
         stage_policies(ns, {}, Blocks())
+
+
+def test_a_model_of_another_family_is_named(tmp_path):
+    import pytest
+
+    from ddo_blocks.blocks.runner import check_model_family
+
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    with pytest.raises(ddo_blocks.ConfigError, match="holds a StableDiffusion3Pipeline .* runs a FluxPipeline .* "
+                                                      "pipelines/sd3_t2i.py"):
+        check_model_family(tmp_path, "flux")
+    check_model_family(tmp_path, "sd3")
+    with pytest.raises(ddo_blocks.ConfigError, match="no model_index.json"):
+        check_model_family(tmp_path / "missing", "wan")
+
+
+def test_offload_type_block_level_on_the_command_line_works():
+    import argparse
+
+    from ddo_blocks.blocks.policy import OffloadPolicy
+    from ddo_blocks.blocks.runner import STAGES, stage_policies
+
+    ns = argparse.Namespace(preset="auto", **{f"{s}_{k}": None for s in STAGES for k in ("route", "preset", "budget",
+                                                                                       "offload_type")})
+    ns.decode_route, ns.decode_offload_type = "diffusers", "block_level"
+
+    class Blocks:
+        sub_blocks = {"decode": None}
+
+    policy = OffloadPolicy.parse(stage_policies(ns, {}, Blocks())["decode"])
+    policy.check(torch.device("cpu"))  # block_level with its num_blocks_per_group: valid
+    assert policy.options["num_blocks_per_group"] == 1
+
+
+def test_from_pretrained_names_dtype_when_given_torch_dtype(flux_checkpoints):
+    import pytest
+    from diffusers import FluxTransformer2DModel
+
+    with pytest.raises(ddo_blocks.ConfigError, match="takes dtype=, not torch_dtype="):
+        ddo_blocks.from_pretrained(FluxTransformer2DModel, flux_checkpoints[0] / "single", device="cpu",
+                                   torch_dtype=torch.bfloat16)

@@ -125,6 +125,8 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
             policy["preset"] = preset
         if offload_type is not None:
             policy["offload_type"] = offload_type
+            if offload_type == "block_level":
+                policy["num_blocks_per_group"] = 1  # block_level needs it; the command line has no option for it
         if budget is not None:
             if budget == "min":
                 from .block import module_components
@@ -136,6 +138,34 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
                 policy["vram_budget"] = budget
         out[stage] = policy
     return out
+
+
+JOBS = {"flux": "python -m ddo_blocks run (or pipelines/flux_t2i.py)", "sd3": "pipelines/sd3_t2i.py",
+        "wan": "pipelines/wan_t2v.py"}
+"""The staged script for each model family."""
+
+
+def check_model_family(path: Path, family: str) -> None:
+    """Refuses a model directory of another family, naming what it holds and what would run it."""
+    from ..tiny_pipeline import _PIPELINE_CLASS
+
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ConfigError(f"--model {path}: no model_index.json there; pass a Diffusers model directory")
+    try:
+        found = json.loads(index.read_text()).get("_class_name")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ConfigError(f"--model {path}: model_index.json is not a JSON object ({exc})") from None
+    expected = _PIPELINE_CLASS[family]
+    prefix = expected.removesuffix("Pipeline")
+    if not isinstance(found, str) or not found.startswith(prefix):
+        other = next((f for f, cls in _PIPELINE_CLASS.items() if isinstance(found, str)
+                      and found.startswith(cls.removesuffix("Pipeline"))), None)
+        hint = f"; run it with {JOBS[other]}" if other else ""
+        raise ConfigError(
+            f"--model {path} holds a {found or 'pipeline of unknown class'} (model_index.json _class_name), and "
+            f"this job runs a {expected} ({family}) model{hint}"
+        )
 
 
 def _to_dtype(name: str | None) -> torch.dtype | None:
@@ -157,8 +187,8 @@ def run(
 
     tiny = args.model is None
     path = ensure_tiny_model(family) if tiny else Path(args.model)
-    if not tiny and not (path / "model_index.json").is_file():
-        raise ConfigError(f"--model {args.model}: no model_index.json there; pass a Diffusers model directory")
+    if not tiny:
+        check_model_family(path, family)
     print(f"model: {'embedded tiny ' + family + ' model at ' if tiny else ''}{path}")
     kwargs: dict[str, Any] = dict(CALL_DEFAULTS[family]) if tiny else {}
     kwargs.update(call_kwargs or {})
