@@ -35,15 +35,16 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="ddo", description="ddo_blocks: weight offloading for diffusion models")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("presets", help="list routes and presets")
+    presets = sub.add_parser("presets", help="list routes and presets")
+    presets.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
     sub.add_parser("doctor", help="show CUDA driver, devices and link bandwidth")
     run = sub.add_parser("run", help="run the main job on the embedded tiny model and print its report")
     mainjob.add_arguments(run)
     args = parser.parse_args(argv)
     if args.command == "presets":
-        from .presets import describe
+        from .routes import describe
 
-        print(describe())
+        print(describe(markdown=args.markdown))
         return 0
     if args.command == "doctor":
         return _doctor()

@@ -277,12 +277,15 @@ def get_handle(module: nn.Module) -> OffloadHandle | None:
     return getattr(module, _ATTR, None)
 
 
-@dataclass
+@dataclass(repr=False)
 class OffloadResult:
     """What ``enable_offload`` returns, shaped like the original DDO's result."""
 
     module: nn.Module
     handle: OffloadHandle
+
+    def __repr__(self) -> str:
+        return f"OffloadResult({self.handle!r})"  # not the module's whole tree
 
     def report(self) -> Report:
         """The measured record of this offload, as :meth:`OffloadHandle.report`."""

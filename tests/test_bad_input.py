@@ -136,3 +136,9 @@ def test_plot_draws_only_seconds_on_the_time_axis():
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels == ["setup_s", "median_call_s"]
     assert not math.isclose(fig.axes[0].get_xlim()[1], 40.0)
+
+
+def test_offload_result_repr_is_one_line(flux):
+    result = ddo_blocks.enable_offload(flux, device="cpu", vram_budget=ddo_blocks.minimum_budget(flux))
+    assert repr(result).startswith("OffloadResult(OffloadHandle(transformer") and "\n" not in repr(result)
+    result.remove()

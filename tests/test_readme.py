@@ -19,3 +19,11 @@ def test_quick_start_runs_as_written(capsys):
     handle = ddo_blocks.get_handle(result)
     assert handle is not None and handle.route == "linear"
     handle.remove()
+
+
+def test_the_readme_preset_table_is_the_registry():
+    from ddo_blocks.routes import describe
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert describe(markdown=True) in readme
+    assert max(len(line) for line in describe().splitlines()) <= 110

@@ -109,17 +109,29 @@ def route_of_preset(preset: str) -> RouteSpec | None:
     return next((s for s in REGISTRY.values() if preset in s.preset_map), None)
 
 
-def describe() -> str:
-    """The preset table, as printed by ``python -m ddo_blocks presets``."""
+def describe(*, markdown: bool = False, width: int = 110) -> str:
+    """The preset table, as printed by ``python -m ddo_blocks presets`` (``--markdown``: the
+    README's table, which a test keeps equal to this one). Plain text wraps the last column to
+    ``width`` characters."""
     rows = []
     for spec in REGISTRY.values():
         if spec.auto_summary:
             rows.append((spec.name, "auto", "-", spec.auto_summary))
         rows += [(spec.name, p.name, p.host_ram_ratio, p.summary) for p in spec.presets]
+    if markdown:
+        lines = ["| route | preset | host RAM | what it does |", "|---|---|---|---|"]
+        lines += [f"| `{r}` | `{p}` | {h} | {what} |" for r, p, h, what in rows]
+        return "\n".join(lines)
+    import textwrap
+
     wr, wp, wh = (max(len(r[i]) for r in rows) for i in range(3))
-    lines = [f"{'route':<{wr}}  {'preset':<{wp}}  {'host RAM':<{wh}}  what it does"]
-    lines.append("-" * len(lines[0]))
-    lines += [f"{r:<{wr}}  {p:<{wp}}  {h:<{wh}}  {what}" for r, p, h, what in rows]
+    lead = wr + wp + wh + 6
+    head = f"{'route':<{wr}}  {'preset':<{wp}}  {'host RAM':<{wh}}  what it does"
+    lines = [head, "-" * width]
+    for r, p, h, what in rows:
+        parts = textwrap.wrap(what, max(30, width - lead))
+        lines.append(f"{r:<{wr}}  {p:<{wp}}  {h:<{wh}}  {parts[0]}")
+        lines += [" " * lead + part for part in parts[1:]]
     return "\n".join(lines)
 
 
