@@ -15,20 +15,31 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
 
+# REUSE_TORCH=1: a venv over $(PYTHON)'s own site packages, keeping the torch installed there (no
+# second download of PyPI's CUDA build, about 5.9 GB); everything else is installed as pinned.
+REUSE_TORCH ?=
+VENV_ARGS := $(if $(REUSE_TORCH),--system-site-packages,)
+
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 
 $(STAMP): requirements-dev.txt | $(PY)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(if $(REUSE_TORCH),grep -v '^torch==' requirements-dev.txt > $(VENV)/requirements.txt,cp requirements-dev.txt $(VENV)/requirements.txt)
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
 	touch $@
 
 $(EXT_STAMP): $(STAMP) $(RUST_SRC)
-	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release -q
+	set -o pipefail; VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH \
+		$(VENV)/bin/maturin develop --release -q 2>&1 | { grep -v '^Requirement already satisfied' || true; }
 	touch $@
 
 .PHONY: setup
 setup: $(EXT_STAMP) ## create .venv, install dependencies, build the Rust extension
+
+.PHONY: wheel
+wheel: $(STAMP) ## build the abi3 wheel into dist/ (pip install dist/ddo_blocks-*.whl: no Rust needed there)
+	$(VENV)/bin/maturin build --release --out dist -q
 
 .PHONY: run
 run: setup ## the main job: a staged pipeline on the embedded tiny model, with reports

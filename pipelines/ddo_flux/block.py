@@ -10,7 +10,7 @@ ddo_blocks offload block. Load it with::
     pipe = blocks.init_pipeline("black-forest-labs/FLUX.1-dev")
 
 Keyword arguments are those of ``ddo_blocks.wrap``: ``text_encoder``, ``denoise``, ``decode`` (each a
-route name, a mapping or an ``OffloadPolicy``), ``device`` and ``preset``. Needs ``pip install ddo-blocks``.
+route name, a mapping or an ``OffloadPolicy``), ``device`` and ``preset``. Needs ddo_blocks installed: ``pip install .`` in a clone of this repository (needs Rust), or ``pip install ddo_blocks-*.whl`` built by ``make wheel`` (ddo-blocks is not on PyPI).
 """
 
 import torch

@@ -8,7 +8,7 @@
         policy={"route": "linear", "vram_budget": "6GiB"}, device="cuda",
     )
 
-Keyword arguments are those of ``ddo_blocks.blocks.OffloadBlock``. Needs ``pip install ddo-blocks``.
+Keyword arguments are those of ``ddo_blocks.blocks.OffloadBlock``. Needs ddo_blocks installed: ``pip install .`` in a clone of this repository (needs Rust), or ``pip install ddo_blocks-*.whl`` built by ``make wheel`` (ddo-blocks is not on PyPI).
 """
 
 from ddo_blocks.blocks import OffloadBlock
