@@ -18,7 +18,8 @@ def offline(monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
-def test_notebook_executes_with_nbclient():
+def test_notebook_executes_with_nbclient(monkeypatch):
+    monkeypatch.delenv("DDO_CACHE_DIR")  # as a user runs it: the notebook chooses where the tiny model goes
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
@@ -27,6 +28,12 @@ def test_notebook_executes_with_nbclient():
     html = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
             if "text/html" in o.get("data", {})]
     assert html, "the report cell should render as HTML"
+    assert not (ROOT / "docs" / ".ddo_cache").exists(), "the notebook left a model cache next to itself"
+
+
+def test_notebook_uses_only_public_names():
+    code = "".join("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code")
+    assert "blocks.runner" not in code and "._" not in code
 
 
 def test_notebook_code_runs_in_process():
