@@ -17,10 +17,13 @@ _MODULES = ("linear", "resident", "diffusers", "nvme")
 """The route files, in the order of the preset table."""
 
 NOT_BUILT = {
-    "vmm": "the CUDA VMM route (presets vmm_fast)",
+    "vmm": "the CUDA VMM route (preset vmm_fast)",
     "sdnq": "the SDNQ packed route",
 }
 """Routes of the original DDO not rebuilt yet: asking for one says so."""
+
+NOT_BUILT_PRESETS = {"vmm_fast": "vmm"}
+"""Presets of the routes not rebuilt yet, and their route."""
 
 REGISTRY: dict[str, RouteSpec] = {}
 
@@ -99,8 +102,8 @@ def resolve(route: str, preset: str, *, streamed_bytes: int = 0, total_ram: int 
     valid = ["auto", *spec.preset_map]
     elsewhere = [s.name for s in REGISTRY.values() if isinstance(preset, str) and preset in s.preset_map]
     hint = f"; {preset!r} is a preset of route {elsewhere[0]!r}" if elsewhere else ""
-    if not elsewhere and any(preset == p for p in ("vmm_fast",)):
-        hint = f"; {preset!r} belongs to {NOT_BUILT['vmm']}, which is not rebuilt yet"
+    if not elsewhere and preset in NOT_BUILT_PRESETS:
+        hint = f"; {preset!r} belongs to {NOT_BUILT[NOT_BUILT_PRESETS[preset]]}, which is not rebuilt yet"
     raise ConfigError(f"unknown preset {preset!r} for route {route!r}; valid presets: {', '.join(valid)}{hint}")
 
 
