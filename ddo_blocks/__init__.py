@@ -9,6 +9,8 @@ Quick start::
     handle.remove()                      # restores the module exactly
 """
 
+import logging as _logging
+
 from . import presets, routes
 from ._native import __version__
 from .api import (
@@ -36,6 +38,8 @@ from .loading import from_pretrained
 from .pipeline import PipelineOffload, offload_pipeline
 from .report import Report
 from .streaming.slabs import release_warm_slabs, warm_bytes
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())  # silent unless the application configures logging
 
 
 def __getattr__(name: str):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -17,6 +18,7 @@ from .routes.spec import Engine, EngineRequest, Preset, UnitInfo
 from .streaming import guards
 
 _ATTR = "_ddo_offload"
+log = logging.getLogger("ddo_blocks")
 _UNUSABLE_ATTR = "_ddo_unusable"
 """Set on a module that a failed removal left without some of its weights."""
 
@@ -101,6 +103,7 @@ class OffloadHandle:
             )
         try:
             self.engine.detach()
+            log.info("removed the offload of %s", self.component)
         finally:
             # An engine whose removal failed part-way says whether the offload is still in place (then
             # it keeps working and remove() can be retried) or gone (then so is this handle).
@@ -201,6 +204,8 @@ def offload(
     if getattr(engine, "owns_placement", False):
         handle._guard = guards.ConversionGuard(module, dev, lambda: repr(handle))
         handle._guard.install(handle)
+    log.info("offloaded %s: route=%s preset=%s (asked %s), vram_budget=%s, on %s in %.2f s", handle.component,
+             spec.name, chosen.name, preset, "none" if budget is None else f"{budget} bytes", dev, engine.setup_s)
     return handle
 
 

@@ -233,4 +233,8 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
             if not handle.removed:
                 handle.remove()
         raise
+    import logging
+
+    logging.getLogger("ddo_blocks").info("offload_pipeline(%s): %s", type(pipe).__name__,
+                                         "; ".join(f"{n}: {p.describe()}" for n, p in policies.items()))
     return PipelineOffload(pipe, handles, budget, dev, policies)

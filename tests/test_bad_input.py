@@ -153,3 +153,20 @@ def test_offload_result_repr_is_one_line(flux):
 def test_routes_not_built_yet_say_so(flux, route, preset, match):
     with pytest.raises(ConfigError, match=match):
         ddo_blocks.offload(flux, route=route, preset=preset, device="cpu")
+
+
+def test_a_logger_tells_what_happened_and_nothing_prints_unasked(flux, caplog, capsys):
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="ddo_blocks"):
+        handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu",
+                                    component="transformer")
+        with torch.no_grad():
+            from ddo_blocks.tiny import flux_inputs
+
+            flux(**flux_inputs(flux))
+        handle.remove()
+    text = caplog.text
+    assert "offloaded transformer: route=linear" in text and "removed the offload of transformer" in text
+    assert "execution order learned" in text
+    assert capsys.readouterr() == ("", "")  # the library prints nothing itself

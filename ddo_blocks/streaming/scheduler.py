@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from ..errors import OffloadStateError
 from ..units import Unit
 from . import guards
 from .calibrate import Calibration
+
+log = logging.getLogger("ddo_blocks")
 
 _MAX_PENDING_CALLS = 64
 _MAX_TRACE = 1 << 16
@@ -351,6 +354,8 @@ class Scheduler:
         if clean and self._trace and self._trace != self.sched:
             # Learn the confirmed execution order; refetch the start of the next call in it.
             self.stats.order_changes += 1
+            log.debug("%s: execution order learned from call %d (%d streamed units, change %d)",
+                      type(self.module).__name__, self._calls_started, len(self._trace), self.stats.order_changes)
             self.sched = list(self._trace)
             self._sched_pos = {}
             for i, v in enumerate(self.sched):
