@@ -192,7 +192,7 @@ def test_wrap_errors_name_what_would_work(kwargs, match):
 def test_wrap_rejects_cuda_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(ddo_blocks.CudaNotAvailableError, match="use device='cpu'"):
+    with pytest.raises(ddo_blocks.CudaNotAvailableError, match="use device=.cpu."):
         ddo_blocks.wrap(FluxAutoBlocks(), device="cuda")
 
 
