@@ -139,16 +139,17 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
     policies: dict[str, OffloadPolicy] = {}
     for name, value in given.items():
         policies[name] = OffloadPolicy.parse(value, default=OffloadPolicy(), where=f"component {name!r}")
-    used: list[tuple[str, int, str]] = []  # (component, device bytes, why)
+    used: list[tuple[str, int, str]] = []  # (component, device bytes, route)
     for name, module in modules.items():
         if name == denoiser:
             continue
         if name not in policies:
             size = _weights(module)
-            if budget is None or size <= SMALL_FRACTION * budget:
+            smallest = minimum_budget(module) if budget is not None else size
+            if budget is None or size <= SMALL_FRACTION * budget or size <= smallest:
                 policies[name] = OffloadPolicy(route="resident")
             else:
-                policies[name] = OffloadPolicy(route="linear", vram_budget=minimum_budget(module))
+                policies[name] = OffloadPolicy(route="linear", vram_budget=smallest)
         pol = policies[name]
         spec = routes.get(pol.route)
         if spec.streams:
@@ -157,16 +158,17 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
             need = _weights(modules[name])
         else:
             need = 0  # diffusers group offloading and off keep nothing on the device between calls
-        used.append((name, need, pol.describe()))
+        used.append((name, need, pol.route))
     if denoiser not in policies:
         left = None
         if budget is not None:
             left = budget - sum(n for _, n, _ in used)
             need = minimum_budget(modules[denoiser])
             if left < need:
-                others = ", ".join(f"{n} ({why}: {fmt_bytes(b)})" for n, b, why in used) or "nothing"
+                others = ", ".join(f"{n} ({route}, {fmt_bytes(b)})" for n, b, route in used) or "nothing"
+                leaves = fmt_bytes(left) if left > 0 else "nothing"
                 raise BudgetError(
-                    f"vram_budget={fmt_bytes(budget)} leaves {fmt_bytes(max(left, 0))} for the {denoiser} after {others}, "
+                    f"vram_budget={fmt_bytes(budget)} leaves {leaves} for the {denoiser} after {others}, "
                     f"below its minimum of {fmt_bytes(need)}; raise vram_budget to at least "
                     f"{fmt_bytes(budget - left + need)}, or give the other components routes that keep less on the "
                     "device (e.g. text_encoder='diffusers')"
