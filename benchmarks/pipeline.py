@@ -17,7 +17,7 @@ import platform
 import statistics
 import subprocess
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "exact": bool(torch.equal(image, ref))})
     off.remove()
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python -m benchmarks.pipeline " + " ".join(args.argv),
         "commit": _commit(),
         "machine": _machine(device),
@@ -162,7 +162,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
     lines = [f"# offload_pipeline: a classic FluxPipeline ({doc['machine']})", "",
              f"- date: {doc['date']}; commit: {doc['commit']}; command: `{doc['command']}`",
-             f"- weights: " + ", ".join(f"{n} {fmt_bytes(b)}" for n, b in doc["weights"].items()),
+             "- weights: " + ", ".join(f"{n} {fmt_bytes(b)}" for n, b in doc["weights"].items()),
              f"- call: {json.dumps(doc['call'])}; time per image = median of {doc['repeats']} calls after the first",
              "", "| pipeline | VRAM budget | s / image | first image s | peak GPU allocated | exact |",
              "|---|---|---|---|---|---|"]
