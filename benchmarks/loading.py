@@ -18,14 +18,14 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
-import threading
 import time
 from datetime import date
 from pathlib import Path
 from typing import Any
+
+from benchmarks.measure import GIB, RssSampler, parse_size, sync
 
 CHUNK = 64 << 20
 
@@ -38,21 +38,6 @@ def _drop_cache(directory: Path, pattern: str = "*.safetensors") -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def _peak_rss_sampler() -> tuple[threading.Event, list[int]]:
-    import psutil
-
-    stop, peak = threading.Event(), [0]
-    proc = psutil.Process()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.01)
-
-    threading.Thread(target=sample, daemon=True).start()
-    return stop, peak
 
 
 def phase_save(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,22 +83,18 @@ def phase_read(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_load(args: argparse.Namespace) -> dict[str, Any]:
-    import psutil
     import torch
     from diffusers import FluxTransformer2DModel
 
     import ddo_blocks
 
-    rss0 = psutil.Process().memory_info().rss
-    stop, peak = _peak_rss_sampler()
+    sampler = RssSampler().start()
     t0 = time.perf_counter()
     handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, args.dir, route="linear", preset=args.preset,
                                         vram_budget=args.budget, device=args.device, component="transformer")
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
+    sync(args.device)
     ready_s = time.perf_counter() - t0
-    stop.set()
-    peak_rss = max(peak[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    rss = sampler.stop()
     saved = torch.load(Path(args.dir) / "reference.pt")
     x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
     with torch.no_grad():
@@ -124,8 +105,8 @@ def phase_load(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "ready_s": ready_s,
         "bytes_read": getattr(handle, "setup_bytes_read", None),
-        "peak_rss": peak_rss,
-        "rss_before": rss0,
+        "peak_rss": rss.peak,
+        "rss_before": rss.start,
         "pinned_bytes": report["memory"]["pinned_bytes"],
         "streamed_bytes": report["plan"].get("streamed_bytes"),
         "exact": exact,
@@ -161,11 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny and args.budget == "8GiB":
         args.budget = "0.5x"
     if args.phase:
-        if args.budget.endswith("x"):
-            import torch
-
-            total = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors"))
-            args.budget = int(float(args.budget[:-1]) * total)
+        total = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors"))
+        args.budget = parse_size(args.budget, total, bare_unit="B")  # vram_budget's own reading
         print(json.dumps(PHASES[args.phase](args)))
         return 0
     child_argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a]
@@ -196,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(args.out_root) / f"{date.today().isoformat()}-{platform.node()}-loading"
     out.mkdir(parents=True, exist_ok=True)
     (out / "loading.json").write_text(json.dumps(doc, indent=2))
-    gib = 1024**3
+    gib = GIB
     md = [
         f"# Loading benchmark, {doc['date']}",
         "",

@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import platform
-import resource
-import statistics
 import sys
 import time
 from datetime import date
@@ -30,44 +28,24 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loading import _child as _loading_child
-from benchmarks.loading import _drop_cache, _peak_rss_sampler
+from benchmarks.loading import _drop_cache
+from benchmarks.measure import GIB as GiB
+from benchmarks.measure import RssSampler, Timing, parse_size, time_forward
 from benchmarks.readpipe import block_device, busy, disk_ticks
 
-GiB = 1024**3
 
-
-def _budget(text: str, total: int) -> int:
-    text = text.strip()
-    if text.endswith("x"):
-        return int(float(text[:-1]) * total)
-    return int(float(text) * GiB)
-
-
-def _timed(module: Any, x: dict[str, Any], device: str, repeats: int) -> tuple[list[float], Any]:
-    import torch
-
-    times, out = [], None
-    with torch.no_grad():
-        for _ in range(repeats + 1):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = module(**x)[0]
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    return times, out
+def _timed(module: Any, x: dict[str, Any], device: str, repeats: int) -> Timing:
+    """One warm-up call (the first call) and ``repeats`` timed ones; the last output kept."""
+    return time_forward(module, x, device, warmup=1, repeats=repeats, keep_output=True)
 
 
 def row_ours(args: argparse.Namespace) -> dict[str, Any]:
-    import psutil
     import torch
     from diffusers import FluxTransformer2DModel
 
     import ddo_blocks
 
-    rss0 = psutil.Process().memory_info().rss
-    stop, peak = _peak_rss_sampler()
+    sampler = RssSampler().start()
     t0 = time.perf_counter()
     handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, args.dir, route="nvme", preset="nvme_baseline",
                                         vram_budget=args.vram, ram_budget=args.ram, device=args.device,
@@ -78,14 +56,14 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
     x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
     dev = block_device(Path(args.dir))
     k0 = disk_ticks(dev)
-    times, out = _timed(handle.module, x, args.device, args.repeats)
-    disk = busy(k0, disk_ticks(dev), sum(times))  # over every timed call, the first included
-    stop.set()
+    timing = _timed(handle.module, x, args.device, args.repeats)
+    disk = busy(k0, disk_ticks(dev), timing.first_call_s + sum(timing.times))  # every call, the first included
+    rss = sampler.stop()
     rep = handle.report().to_dict()
-    step = statistics.median(times[1:])
+    step = timing.step_s
     result = {
         "setup_s": setup_s,
-        "first_call_s": times[0],
+        "first_call_s": timing.first_call_s,
         "step_s": step,
         "bound_s": rep["roofline"].get("bound_s"),
         "ratio": step / rep["roofline"]["bound_s"] if rep["roofline"].get("bound_s") else None,
@@ -93,10 +71,10 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
         "link_gb_s": rep["roofline"].get("link_gb_s"),
         "predicted_step_s": rep["plan"].get("predicted_step_s"),
         "calibrated_predicted_step_s": rep["runtime"].get("calibrated_predicted_step_s"),
-        "rss_before": rss0,
-        "peak_rss_above_before": max(peak[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - rss0,
+        "rss_before": rss.start,
+        "peak_rss_above_before": rss.peak - rss.start,
         "gpu_peak_allocated": rep["memory"].get("gpu_peak_allocated"),
-        "exact": bool(torch.equal(out.cpu(), saved["ref"])),
+        "exact": bool(torch.equal(timing.output[0].cpu(), saved["ref"])),
         "block_device": dev,
         **disk,
         "report": {k: rep.get(k) for k in ("plan", "setup", "runtime", "roofline", "memory")},
@@ -111,12 +89,10 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
 def row_diffusers(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
-    import psutil
     import torch
     from diffusers import FluxTransformer2DModel
 
-    rss0 = psutil.Process().memory_info().rss
-    stop, peak = _peak_rss_sampler()
+    sampler = RssSampler().start()
     t0 = time.perf_counter()
     model = FluxTransformer2DModel.from_pretrained(args.dir, torch_dtype=torch.bfloat16)
     disk = tempfile.mkdtemp(prefix="ddo-bench-diffusers-", dir=str(Path(args.dir).parent))
@@ -131,16 +107,16 @@ def row_diffusers(args: argparse.Namespace) -> dict[str, Any]:
     x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    times, out = _timed(model, x, args.device, args.repeats)
-    stop.set()
+    timing = _timed(model, x, args.device, args.repeats)
+    rss = sampler.stop()
     return {
         "setup_s": setup_s,
-        "first_call_s": times[0],
-        "step_s": statistics.median(times[1:]),
-        "rss_before": rss0,
-        "peak_rss_above_before": max(peak[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - rss0,
+        "first_call_s": timing.first_call_s,
+        "step_s": timing.step_s,
+        "rss_before": rss.start,
+        "peak_rss_above_before": rss.peak - rss.start,
         "gpu_peak_allocated": torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None,
-        "exact": bool(torch.equal(out.cpu(), saved["ref"])),
+        "exact": bool(torch.equal(timing.output[0].cpu(), saved["ref"])),
     }
 
 
@@ -325,7 +301,8 @@ def _rows_and_report(args: argparse.Namespace, argv: list[str], directory: Path,
     for vram in args.vram_budgets.split(","):
         for ram in args.ram_budgets.split(","):
             _drop_cache(directory)
-            r = _run_row("ours", base, ["--vram", str(_budget(vram, total)), "--ram", str(_budget(ram, total))], limit)
+            r = _run_row("ours", base, ["--vram", str(parse_size(vram, total)), "--ram", str(parse_size(ram, total))],
+                         limit)
             rows.append({"route": "ddo_blocks nvme_baseline", "vram_budget": vram, "ram_budget": ram, **r})
             print(f"ours vram {vram} ram {ram}: step {_fmt(r.get('step_s'))} s, ratio {_fmt(r.get('ratio'), 2)} "
                   f"disk busy {_fmt(r.get('disk_busy'), 2)}, "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     import ddo_blocks
+    from benchmarks.measure import parse_size, sync, timed_calls
     from benchmarks.model import FLUX_DEV, TINY, skeleton
     from ddo_blocks.tiny import flux_inputs
 
@@ -106,23 +106,23 @@ def main(argv: list[str] | None = None) -> int:
     model.to("cpu")
     side, text = (8, 12) if args.tiny else (64, 512)
     x = flux_inputs(model, height=side, width=side, text_len=text, device=dev)
-    budget = args.budget if not args.budget.endswith("x") else int(
-        float(args.budget[:-1]) * sum(q.numel() * q.element_size() for q in model.parameters()))
+    weights = sum(q.numel() * q.element_size() for q in model.parameters())
+    budget = parse_size(args.budget, weights, bare_unit="B")  # vram_budget's own reading
     handle = ddo_blocks.offload(model, preset=args.preset, vram_budget=budget, device=dev, units=args.units)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def call(**inputs: Any) -> Any:  # the call's host span ends after its synchronize: it covers its GPU work
+        with torch.profiler.record_function("ddo_call"):
+            out = model(**inputs)
+            sync(dev)
+            return out
+
     with torch.no_grad():
         for _ in range(args.warmup):
             model(**x)
-        sync()
+        sync(dev)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        marks = []
         with profile(activities=activities) as prof:
-            for _ in range(args.steps):
-                with torch.profiler.record_function("ddo_call"):
-                    t = time.perf_counter()
-                    model(**x)
-                    sync()
-                    marks.append(time.perf_counter() - t)
+            marks = timed_calls(call, x, dev, args.steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trace_path = out / "trace.json"

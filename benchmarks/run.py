@@ -209,41 +209,25 @@ def model_config(a: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-_UNITS = {
-    "": GIB,
-    "g": 1e9,
-    "gb": 1e9,
-    "gib": GIB,
-    "m": 1e6,
-    "mb": 1e6,
-    "mib": 1 << 20,
-    "k": 1e3,
-    "kb": 1e3,
-    "kib": 1024,
-    "b": 1,
-    "t": 1e12,
-    "tb": 1e12,
-    "tib": 1 << 40,
-}
-
-
 def parse_budget(tok: str, weight_bytes: int, minimum: int | None) -> tuple[str, int]:
-    """(label, bytes) of one budget token."""
-    t = tok.strip()
+    """(label, bytes) of one budget token: ``min``, a fraction of the weights (``0.25x``) or a size
+    (a bare number is GiB)."""
+    from ddo_blocks import ConfigError
+
+    from .measure import is_fraction, parse_size
+
+    t = "".join(tok.split())
     if t.lower() == "min":
         if minimum is None:
             raise SystemExit("budget 'min' needs ddo_blocks")
         return "min", int(minimum)
-    if t.lower().endswith("x"):
-        f = float(t[:-1])
-        return f"{f:g}x", int(f * weight_bytes)
-    m = _SIZE.match(t)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise SystemExit(f"cannot read budget {tok!r}: use 2 (GiB), 512MiB, 1.5GB, 0.25x or min")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    unit = m.group(2) or "GiB"
-    return f"{m.group(1)}{unit}", n
+    try:
+        n = parse_size(t, weight_bytes)
+    except (ValueError, ConfigError):
+        raise SystemExit(f"cannot read budget {tok!r}: use 2 (GiB), 512MiB, 1.5GB, 0.25x or min") from None
+    if is_fraction(t):
+        return f"{float(t[:-1]):g}x", n
+    return (t + "GiB" if t[-1:].isdigit() else t), n
 
 
 def expand_routes(text: str) -> list[str]:

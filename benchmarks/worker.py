@@ -16,7 +16,6 @@ import inspect
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-GIB = 1 << 30
+from .measure import GIB, RssSampler, sync, time_forward
 
 ROW_FIELDS = (
     "id",
@@ -66,45 +65,8 @@ def stub_row(spec: dict[str, Any], status: str = "error", note: str | None = Non
 
 
 # -------------------------------------------------------------------------------------------------
-# measurement helpers
+# helpers
 # -------------------------------------------------------------------------------------------------
-class RssSampler:
-    """Peak resident set size of this process, sampled by a thread every ``interval`` seconds."""
-
-    def __init__(self, interval: float = 0.01):
-        import psutil
-
-        self.proc = psutil.Process()
-        self.interval = interval
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-
-    def sample(self) -> int:
-        rss = self.proc.memory_info().rss
-        self.peak = max(self.peak, rss)
-        return rss
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
-
-    def start(self) -> RssSampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.sample()
-
-
-def ru_maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def device_of(name: str):
     """``torch.device`` with an explicit index for CUDA (``torch.cuda.set_device`` needs one)."""
     import torch
@@ -115,11 +77,14 @@ def device_of(name: str):
     return dev
 
 
-def _sync(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+def is_fork_cuda_failure(text: str) -> bool:
+    t = text.lower()
+    return (
+        "forked subprocess" in t
+        or "initialization error" in t
+        or "cuda_error_not_initialized" in t
+        or "cudaerrorinitializationerror" in t
+    )
 
 
 def _torch_pinned_peak() -> int | None:
@@ -143,16 +108,6 @@ def _jsonable(x: Any, limit: int = 20000) -> Any:
     if len(text) > limit:
         return {"truncated": text[:limit]}
     return json.loads(text)
-
-
-def is_fork_cuda_failure(text: str) -> bool:
-    t = text.lower()
-    return (
-        "forked subprocess" in t
-        or "initialization error" in t
-        or "cuda_error_not_initialized" in t
-        or "cudaerrorinitializationerror" in t
-    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -459,19 +414,6 @@ ATTACH = {
 }
 
 
-def _timed_calls(fwd, inputs: dict[str, Any], dev, n: int) -> list[float]:
-    """Wall seconds of ``n`` calls, each synchronised before and after."""
-    times = []
-    for _ in range(n):
-        _sync(dev)
-        t = time.perf_counter()
-        out = fwd(**inputs)
-        _sync(dev)
-        times.append(time.perf_counter() - t)
-        del out
-    return times
-
-
 def _process_warmup(model, dev, dtype, ctx: dict[str, Any]) -> float:
     """One forward of a 1 + 1 block model of the same width and input shapes, before anything is
     attached: CUDA context, cuBLAS handles and the kernels of these shapes get loaded here, so a row's
@@ -491,7 +433,7 @@ def _process_warmup(model, dev, dtype, ctx: dict[str, Any]) -> float:
         inputs = M.make_inputs(small, height_tokens=ctx["height_tokens"], width_tokens=ctx["width_tokens"],
                                text_tokens=ctx["text_tokens"], device=dev, dtype=dtype, seed=ctx["seed"] + 1)
         small(**inputs)
-    _sync(dev)
+    sync(dev)
     del small, inputs
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -499,86 +441,113 @@ def _process_warmup(model, dev, dtype, ctx: dict[str, Any]) -> float:
     return time.perf_counter() - t
 
 
-def run_row(job: dict[str, Any], model) -> dict[str, Any]:
+PEERS = ("diffusers", "ddo")
+"""Routes whose streamed and pinned bytes are estimated from torch's counters (no report)."""
+
+
+def _start_device(dev) -> None:
     import torch
 
+    if dev.type == "cuda":
+        torch.cuda.init()
+        torch.cuda.set_device(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def _attach(model, spec, dev, ctx, row: dict[str, Any]) -> Attached:
+    """Attaches the row's route (``setup_s``) and records its facts and the GPU memory after it."""
+    import torch
+
+    t0 = time.perf_counter()
+    attached = ATTACH[spec["route"]](model, spec, dev, ctx)
+    sync(dev)
+    row["setup_s"] = time.perf_counter() - t0
+    row.update({k: v for k, v in attached.info.items() if k != "_state"})
+    if dev.type == "cuda":
+        row["gpu_after_attach"] = torch.cuda.memory_allocated(dev)
+        if spec["route"] in PEERS and row.get("streamed_bytes") is None:
+            row["streamed_bytes"] = max(0, ctx["weight_bytes"] - row["gpu_after_attach"])
+            row["streamed_bytes_source"] = (
+                "estimate: weight bytes minus GPU memory allocated after attach (before any call)"
+            )
+    elif row.get("streamed_bytes") is None:
+        row["streamed_bytes"] = ctx["weight_bytes"]
+        row["streamed_bytes_source"] = "cpu: every weight bytes (no device link)"
+    return attached
+
+
+def _row_inputs(module, dev, dtype, ctx) -> dict[str, Any]:
+    from . import model as M
+
+    return M.make_inputs(module, height_tokens=ctx["height_tokens"], width_tokens=ctx["width_tokens"],
+                         text_tokens=ctx["text_tokens"], device=dev, dtype=dtype, seed=ctx["seed"] + 1)
+
+
+def _setup_peak(dev, row: dict[str, Any]) -> Callable[[], None]:
+    """After the warm-up: the setup's peak GPU memory, then the counters reset for the timed calls."""
+    import torch
+
+    def record() -> None:
+        if dev.type == "cuda":
+            row["gpu_setup_peak_allocated"] = torch.cuda.max_memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+
+    return record
+
+
+def _step(attached: Attached, inputs, dev, ctx, row: dict[str, Any]) -> None:
+    """The first call, the warm-up and the timed calls: ``first_call_s`` and the step."""
+    timing = time_forward(attached.module, inputs, dev, warmup=ctx["warmup"], repeats=ctx["repeats"],
+                          after_warmup=_setup_peak(dev, row))
+    row["first_call_s"] = timing.first_call_s
+    row["step_s"] = timing.step_s
+    row["step_s_all"] = timing.times
+    row["step_s_min"] = min(timing.times)
+
+
+def _memory_after(attached: Attached, spec, dev, row: dict[str, Any]) -> None:
+    """Peak GPU memory of the timed calls, the route's own facts after them, and the peers' pinned bytes."""
+    import torch
+
+    if dev.type == "cuda":
+        row["gpu_peak_allocated"] = torch.cuda.max_memory_allocated(dev)
+        row["gpu_peak_reserved"] = torch.cuda.max_memory_reserved(dev)
+        row["torch_pinned_peak_bytes"] = _torch_pinned_peak()
+    else:
+        row["gpu_peak_allocated"] = row["gpu_peak_reserved"] = None
+    if attached.after is not None:
+        row.update(attached.after())
+    if spec["route"] in PEERS and row.get("pinned_bytes") is None:
+        row["pinned_bytes"] = row.get("torch_pinned_peak_bytes")
+        row["pinned_source"] = (
+            "torch pinned-allocator peak (power-of-two rounded)" if row["pinned_bytes"] is not None else "not measured"
+        )
+
+
+def _measure_row(job: dict[str, Any], model, row: dict[str, Any]) -> None:
     from . import model as M
 
     spec, ctx = job["spec"], job["ctx"]
-    sampler = RssSampler(ctx.get("rss_interval_s", 0.01)).start()
-    row = stub_row(spec)
-    row.update(pid=os.getpid(), host_rss_start=sampler.peak)
     dev = device_of(ctx["device"])
     dtype = M.dtype_of(ctx["dtype"])
+    _start_device(dev)
+    if ctx.get("process_warmup", True):
+        row["process_warmup_s"] = _process_warmup(model, dev, dtype, ctx)
+    attached = _attach(model, spec, dev, ctx, row)
+    inputs = _row_inputs(attached.module, dev, dtype, ctx)
+    _step(attached, inputs, dev, ctx, row)
+    _memory_after(attached, spec, dev, row)
+    if spec["route"] == "ours" and spec["preset"] == "warm_process" and ctx.get("warm_rerun", True):
+        row.update(_warm_rerun(attached, spec, dev, inputs, ctx))
+
+
+def run_row(job: dict[str, Any], model) -> dict[str, Any]:
+    """One row: attach, warm up, time; an error or a skip is the row's status. Peak host RSS over all of it."""
+    sampler = RssSampler(job["ctx"].get("rss_interval_s", 0.01)).start()
+    row = stub_row(job["spec"])
+    row.update(pid=os.getpid(), host_rss_start=sampler.start_rss)
     try:
-        if dev.type == "cuda":
-            torch.cuda.init()
-            torch.cuda.set_device(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-        if ctx.get("process_warmup", True):
-            row["process_warmup_s"] = _process_warmup(model, dev, dtype, ctx)
-        t0 = time.perf_counter()
-        attached = ATTACH[spec["route"]](model, spec, dev, ctx)
-        _sync(dev)
-        row["setup_s"] = time.perf_counter() - t0
-        info = dict(attached.info)
-        info.pop("_state", None)
-        row.update(info)
-        if dev.type == "cuda":
-            row["gpu_after_attach"] = torch.cuda.memory_allocated(dev)
-            if spec["route"] in ("diffusers", "ddo") and row.get("streamed_bytes") is None:
-                row["streamed_bytes"] = max(0, ctx["weight_bytes"] - row["gpu_after_attach"])
-                row["streamed_bytes_source"] = (
-                    "estimate: weight bytes minus GPU memory allocated after attach (before any call)"
-                )
-        elif row.get("streamed_bytes") is None:
-            row["streamed_bytes"] = ctx["weight_bytes"]
-            row["streamed_bytes_source"] = "cpu: every weight bytes (no device link)"
-        inputs = M.make_inputs(
-            attached.module,
-            height_tokens=ctx["height_tokens"],
-            width_tokens=ctx["width_tokens"],
-            text_tokens=ctx["text_tokens"],
-            device=dev,
-            dtype=dtype,
-            seed=ctx["seed"] + 1,
-        )
-        fwd = attached.module
-        with torch.no_grad():
-            _sync(dev)
-            t = time.perf_counter()
-            out = fwd(**inputs)
-            _sync(dev)
-            row["first_call_s"] = time.perf_counter() - t
-            del out
-            for _ in range(max(0, ctx["warmup"] - 1)):
-                out = fwd(**inputs)
-                del out
-            _sync(dev)
-            if dev.type == "cuda":
-                row["gpu_setup_peak_allocated"] = torch.cuda.max_memory_allocated(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-            times = _timed_calls(fwd, inputs, dev, ctx["repeats"])
-        row["step_s"] = statistics.median(times)
-        row["step_s_all"] = times
-        row["step_s_min"] = min(times)
-        if dev.type == "cuda":
-            row["gpu_peak_allocated"] = torch.cuda.max_memory_allocated(dev)
-            row["gpu_peak_reserved"] = torch.cuda.max_memory_reserved(dev)
-            row["torch_pinned_peak_bytes"] = _torch_pinned_peak()
-        else:
-            row["gpu_peak_allocated"] = row["gpu_peak_reserved"] = None
-        if attached.after is not None:
-            row.update(attached.after())
-        if spec["route"] in ("diffusers", "ddo") and row.get("pinned_bytes") is None:
-            row["pinned_bytes"] = row.get("torch_pinned_peak_bytes")
-            row["pinned_source"] = (
-                "torch pinned-allocator peak (power-of-two rounded)"
-                if row["pinned_bytes"] is not None
-                else "not measured"
-            )
-        if spec["route"] == "ours" and spec["preset"] == "warm_process" and ctx.get("warm_rerun", True):
-            row.update(_warm_rerun(attached, spec, dev, inputs, ctx))
+        _measure_row(job, model, row)
         row["status"] = "ok"
     except _Skip as exc:
         row["status"] = "skipped"
@@ -588,31 +557,27 @@ def run_row(job: dict[str, Any], model) -> dict[str, Any]:
         row["traceback"] = traceback.format_exc()[-4000:]
         if is_fork_cuda_failure(row["error"]) and job.get("isolation") == "fork":
             row["fork_cuda_failure"] = True
-    row["host_rss_end"] = sampler.stop()
-    row["host_peak_rss_sampled"] = sampler.peak
-    row["host_ru_maxrss"] = ru_maxrss_bytes()
-    row["host_peak_rss"] = max(row["host_peak_rss_sampled"], row["host_ru_maxrss"])
+    rss = sampler.stop()
+    row.update(host_rss_end=rss.end, host_peak_rss_sampled=rss.sampled, host_ru_maxrss=rss.ru_maxrss,
+               host_peak_rss=rss.peak)
     return row
 
 
 def _warm_rerun(attached: Attached, spec, dev, inputs, ctx) -> dict[str, Any]:
-    """warm_process: remove() and offload the same weights again; the slabs should be reused
-    without copying or pinning. Records the second setup, its first call and a short median."""
-    import torch
-
+    """warm_process: remove() and offload the same weights again; the slabs should be
+    reused without copying or pinning. Records the second setup, its first call and a short median."""
     handle = attached.info["_state"]["handle"]
     model = attached.module
     handle.remove()
     t0 = time.perf_counter()
     h2 = _offload_ours(model, spec, dev)
-    _sync(dev)
+    sync(dev)
     res: dict[str, Any] = {"warm_setup_s": time.perf_counter() - t0}
     rep = h2.report().to_dict()
     res["warm_reused"] = rep["setup"].get("warm_reused")
-    with torch.no_grad():
-        times = _timed_calls(model, inputs, dev, 1 + max(1, ctx.get("warm_repeats", 2)))
-    res["warm_first_call_s"] = times.pop(0)
-    res["warm_step_s"] = statistics.median(times)
+    timing = time_forward(model, inputs, dev, warmup=1, repeats=max(1, ctx.get("warm_repeats", 2)))
+    res["warm_first_call_s"] = timing.first_call_s
+    res["warm_step_s"] = timing.step_s
     return res
 
 
