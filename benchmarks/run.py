@@ -23,17 +23,13 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import argparse
 import datetime
-import gc
 import importlib.metadata
 import importlib.util
-import json
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +37,7 @@ from typing import Any
 
 from . import ROOT
 from . import results as R
+from .isolation import Runner, choose_isolation, import_diffusers
 
 GIB = 1 << 30
 FLUX_DEV_BYTES = 22.17 * GIB
@@ -320,154 +317,6 @@ def make_specs(
 
 
 # -------------------------------------------------------------------------------------------------
-# processes
-# -------------------------------------------------------------------------------------------------
-def _import_diffusers(cuda: bool) -> None:
-    """Imports diffusers' models without initialising CUDA here. diffusers asks
-    ``torch.accelerator.is_available()`` at import; torch answers through NVML when
-    PYTORCH_NVML_BASED_CUDA_CHECK=1, but falls back to ``cudaGetDeviceCount`` (which loads the driver
-    and makes forked children unable to use CUDA) when NVML fails. For ``--device cuda`` the answer
-    is given without asking the driver during the import."""
-    import torch
-
-    real = torch.cuda.is_available
-    if cuda:
-        torch.cuda.is_available = lambda: True
-    try:
-        import diffusers  # noqa: F401
-        from diffusers import FluxTransformer2DModel  # noqa: F401
-    finally:
-        torch.cuda.is_available = real
-
-
-def _libcuda_loaded() -> bool:
-    try:
-        with open("/proc/self/maps") as f:
-            return any(re.search(r"/libcuda\.so(\.|\s|$)", line) for line in f)
-    except OSError:
-        return False
-
-
-class Runner:
-    """Runs jobs in isolated processes (fork or spawn) with a timeout."""
-
-    def __init__(self, isolation: str, jobs_dir: Path, blob_fd: int, timeout: float):
-        self.isolation = isolation
-        self.jobs_dir = jobs_dir
-        self.blob_fd = blob_fd
-        self.timeout = timeout
-        self.current_pid: int | None = None
-        self.current_proc: subprocess.Popen | None = None
-
-    def run(self, job: dict[str, Any], model: Any, timeout: float | None = None) -> dict[str, Any]:
-        name = job.get("spec", {}).get("id", job["kind"])
-        job = dict(
-            job,
-            isolation=self.isolation,
-            blob_fd=self.blob_fd,
-            result_path=str(self.jobs_dir / f"{name}.result.json"),
-        )
-        if os.path.exists(job["result_path"]):
-            os.remove(job["result_path"])
-        timeout = timeout or self.timeout
-        t0 = time.monotonic()
-        if self.isolation == "fork":
-            status = self._fork(job, model, timeout)
-        else:
-            status = self._spawn(job, timeout)
-        try:
-            with open(job["result_path"]) as f:
-                res = json.load(f)
-        except (OSError, ValueError):
-            res = {
-                "kind": job["kind"],
-                "status": "error",
-                "error": f"the process ended without a result ({status})",
-            }
-            if "spec" in job:
-                from .worker import stub_row
-
-                res = {**stub_row(job["spec"]), **res}
-        if status.startswith("killed"):
-            res["status"] = "error"
-            res["error"] = status
-        res["process_wall_s"] = time.monotonic() - t0
-        return res
-
-    def _wait(self, pid: int, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                if os.WIFSIGNALED(st):
-                    return f"died of signal {os.WTERMSIG(st)}"
-                return f"exit {os.WEXITSTATUS(st)}"
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return f"killed after the {timeout:.0f} s row timeout"
-            time.sleep(0.02)
-
-    def _fork(self, job: dict[str, Any], model: Any, timeout: float) -> str:
-        from . import worker
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child
-            try:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                for k, v in job.get("spec", {}).get("env", {}).items():
-                    os.environ[k] = str(v)
-                worker.run_job(job, model)
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
-        self.current_pid = pid
-        try:
-            return self._wait(pid, timeout)
-        finally:
-            self.current_pid = None
-
-    def _spawn(self, job: dict[str, Any], timeout: float) -> str:
-        path = self.jobs_dir / f"{job.get('spec', {}).get('id', job['kind'])}.job.json"
-        path.write_text(json.dumps(job))
-        env = dict(os.environ)
-        env.update({k: str(v) for k, v in job.get("spec", {}).get("env", {}).items()})
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.worker", str(path)],
-            cwd=str(ROOT),
-            env=env,
-            pass_fds=(self.blob_fd,),
-        )
-        self.current_proc = proc
-        try:
-            proc.wait(timeout=timeout)
-            rc = proc.returncode
-            return f"died of signal {-rc}" if rc < 0 else f"exit {rc}"
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            return f"killed after the {timeout:.0f} s row timeout"
-        finally:
-            self.current_proc = None
-
-    def kill_current(self) -> None:
-        if self.current_pid is not None:
-            try:
-                os.kill(self.current_pid, signal.SIGKILL)
-            except OSError:
-                pass
-        if self.current_proc is not None:
-            self.current_proc.kill()
-
-
-# -------------------------------------------------------------------------------------------------
 # the run
 # -------------------------------------------------------------------------------------------------
 def _versions() -> dict[str, Any]:
@@ -555,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import model as M
     from .worker import stub_row
 
-    _import_diffusers(cuda)
+    import_diffusers(cuda)
     cfg = model_config(a)
     dtype = M.dtype_of(a.dtype)
     meta = M.skeleton(cfg, dtype)
@@ -612,14 +461,9 @@ def main(argv: list[str] | None = None) -> int:
             est += 6 + 6 * scale
         return est if cuda else 0.5 + est * 0.1
 
-    isolation = a.isolation
-    if isolation == "auto":
-        isolation = "fork" if hasattr(os, "fork") and sys.platform.startswith("linux") else "spawn"
-        if isolation == "fork" and _libcuda_loaded():
-            notes.append(
-                "the CUDA driver was already loaded in the orchestrator: rows run as spawned processes"
-            )
-            isolation = "spawn"
+    isolation, why = choose_isolation(a.isolation)
+    if why:
+        notes.append(why)
 
     ctx = {
         "device": a.device,
@@ -711,9 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
     }
 
-    jobs_dir = Path(tempfile.mkdtemp(prefix="ddo-bench-"))
     fd = M.new_blob(blob_bytes, a.cache_dir)
-    runner = Runner(isolation, jobs_dir, fd, a.row_timeout)
+    runner = Runner(isolation, fd, a.row_timeout, notes)
     out: Path | None = None
     interrupted = False
 
@@ -721,16 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     old_term = signal.signal(signal.SIGTERM, on_term)
-    model = None
     try:
         # 1. the builder: weights into the blob, machine facts, bandwidth
         build_job = {"kind": "build", "ctx": ctx, "entries": entries}
         t0 = time.monotonic()
-        res = runner.run(build_job, None, timeout=max(a.row_timeout, 300))
-        if res.get("fork_cuda_failure") and runner.isolation == "fork":
-            notes.append("a forked child could not initialise CUDA: rows run as spawned processes")
-            runner.isolation = "spawn"
-            res = runner.run(build_job, None, timeout=max(a.row_timeout, 300))
+        res = runner.run_job(build_job, timeout=max(a.row_timeout, 300))
         if res.get("status") == "error":
             print(
                 f"error: building the model failed: {res.get('error')}\n{res.get('traceback', '')}",
@@ -764,10 +602,9 @@ def main(argv: list[str] | None = None) -> int:
         # 2. the model, once, in this process (fork isolation)
         if runner.isolation == "fork":
             t0 = time.monotonic()
-            model = M.load_model(cfg, dtype, entries, fd, a.load_threads)
+            runner.model = M.load_model(cfg, dtype, entries, fd, a.load_threads)
             doc["build"]["parent_load_s"] = time.monotonic() - t0
             print(f"loaded the model into this process in {time.monotonic() - t0:.1f} s", flush=True)
-        blob_open = True
 
         # 3. the rows
         observed: dict[str, list[float]] = {}
@@ -793,22 +630,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{head} {_fmt_row(row)}", flush=True)
                 continue
             job = {"kind": "row", "ctx": ctx, "spec": spec, "entries": entries}
-            res = runner.run(job, model)
-            if res.get("fork_cuda_failure") and runner.isolation == "fork":
-                if not blob_open:
-                    res["error"] = "a forked child could not initialise CUDA after earlier ones did: " + str(
-                        res.get("error")
-                    )
-                else:
-                    notes.append("a forked child could not initialise CUDA: rows run as spawned processes")
-                    runner.isolation = "spawn"
-                    model = None
-                    gc.collect()
-                    res = runner.run(job, None)
-            if runner.isolation == "fork" and blob_open and cuda and res.get("status") == "ok":
-                os.close(fd)  # forked CUDA children work: the blob is no longer needed, free its memory
-                fd = runner.blob_fd = -1
-                blob_open = False
+            res = runner.run_job(job)
+            if cuda and res.get("status") == "ok":
+                runner.forked_cuda_works()
             res["selector"] = spec["selector"]
             observed.setdefault(spec["selector"], []).append(res.get("process_wall_s", 0.0))
             doc["rows"].append(res)
@@ -845,9 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, old_term)
-        if fd >= 0:
-            os.close(fd)
-        shutil.rmtree(jobs_dir, ignore_errors=True)
+        runner.close()
     config["isolation_used"] = runner.isolation
     doc["wall_s"] = time.monotonic() - t_start
     if out is None:

@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from .isolation import is_fork_cuda_failure
 from .measure import GIB, RssSampler, sync, time_forward
 
 ROW_FIELDS = (
@@ -75,16 +76,6 @@ def device_of(name: str):
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", 0)
     return dev
-
-
-def is_fork_cuda_failure(text: str) -> bool:
-    t = text.lower()
-    return (
-        "forked subprocess" in t
-        or "initialization error" in t
-        or "cuda_error_not_initialized" in t
-        or "cudaerrorinitializationerror" in t
-    )
 
 
 def _torch_pinned_peak() -> int | None:
