@@ -31,37 +31,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from . import ROOT
 from . import results as R
 from .isolation import Runner, choose_isolation, import_diffusers
+from .rows import expand_routes, make_specs, parse_budget
 
 GIB = 1 << 30
 FLUX_DEV_BYTES = 22.17 * GIB
-
-SELECTORS_ALL = [
-    "resident",
-    "ours:one_shot_fast",
-    "diffusers:block_level",
-    "diffusers:leaf_level",
-    "ddo:one_shot_fast",
-    "ours:low_ram_safe",
-    "ddo:low_ram_safe",
-    "ours:warm_process",
-]
-"""Every default row family, in the order they run (most important first, for the time limit)."""
-
-GROUPS = {
-    "all": SELECTORS_ALL,
-    "ours": ["ours:one_shot_fast", "ours:low_ram_safe", "ours:warm_process"],
-    "linear": ["ours:one_shot_fast", "ours:low_ram_safe", "ours:warm_process"],
-    "diffusers": ["diffusers:block_level", "diffusers:leaf_level"],
-    "ddo": ["ddo:one_shot_fast", "ddo:low_ram_safe"],
-    "resident": ["resident"],
-}
 
 EST_GPU_S = {
     "build": 40,
@@ -206,116 +185,6 @@ def model_config(a: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
-def parse_budget(tok: str, weight_bytes: int, minimum: int | None) -> tuple[str, int]:
-    """(label, bytes) of one budget token: ``min``, a fraction of the weights (``0.25x``) or a size
-    (a bare number is GiB)."""
-    from ddo_blocks import ConfigError
-
-    from .measure import is_fraction, parse_size
-
-    t = "".join(tok.split())
-    if t.lower() == "min":
-        if minimum is None:
-            raise SystemExit("budget 'min' needs ddo_blocks")
-        return "min", int(minimum)
-    try:
-        n = parse_size(t, weight_bytes)
-    except (ValueError, ConfigError):
-        raise SystemExit(f"cannot read budget {tok!r}: use 2 (GiB), 512MiB, 1.5GB, 0.25x or min") from None
-    if is_fraction(t):
-        return f"{float(t[:-1]):g}x", n
-    return (t + "GiB" if t[-1:].isdigit() else t), n
-
-
-def expand_routes(text: str) -> list[str]:
-    out: list[str] = []
-    for tok in [t.strip() for t in text.split(",") if t.strip()]:
-        name, at, own = tok.partition("@")  # ROUTE@B1/B2: this route at its own budgets
-        for s in GROUPS.get(name, [name]):
-            if s + at + own not in out:
-                out.append(s + at + own)
-    known = {s for v in GROUPS.values() for s in v}
-    for sel in out:
-        s, at, _ = sel.partition("@")
-        if s not in known and not s.startswith("ours:"):
-            raise SystemExit(
-                f"unknown route {s!r}; use {', '.join(sorted(set(GROUPS) | known))} or ours:PRESET"
-            )
-        if at and not (s.startswith("ours") or s.startswith("ddo")):
-            raise SystemExit(f"{sel!r}: only ours and ddo routes take budgets (ROUTE@B1/B2)")
-    order = {s: i for i, s in enumerate(SELECTORS_ALL)}
-    return sorted(out, key=lambda s: (order.get(s.partition("@")[0], len(order)), out.index(s)))
-
-
-def _safe(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", s)
-
-
-def make_specs(
-    selectors: list[str],
-    budgets: list[tuple[str, int]],
-    ddo_low: list[tuple[str, int]],
-    device: str,
-    parse: Callable[[str], tuple[str, int]] | None = None,
-) -> list[dict[str, Any]]:
-    specs = []
-    for sel in selectors:
-        sel, _, own_text = sel.partition("@")
-        own = [parse(t) for t in own_text.split("/")] if own_text and parse else None
-        route, _, sub = sel.partition(":")
-        if route == "resident":
-            specs.append(
-                {
-                    "route": "resident",
-                    "preset": None,
-                    "budget": None,
-                    "budget_bytes": None,
-                    "offload_type": None,
-                }
-            )
-        elif route == "ours":
-            for lab, n in own or budgets:
-                specs.append(
-                    {"route": "ours", "preset": sub, "budget": lab, "budget_bytes": n, "offload_type": None}
-                )
-        elif route == "diffusers":
-            specs.append(
-                {
-                    "route": "diffusers",
-                    "preset": None,
-                    "budget": None,
-                    "budget_bytes": None,
-                    "offload_type": sub,
-                }
-            )
-        elif route == "ddo":
-            for lab, n in own or (budgets if sub == "one_shot_fast" else ddo_low):
-                specs.append(
-                    {
-                        "route": "ddo",
-                        "preset": sub,
-                        "budget": lab,
-                        "budget_bytes": n,
-                        "offload_type": None,
-                        "env": {
-                            "DDO_AUTO_BUDGET_POLICY": "off",
-                            "DDO_RESIDENT_MODULE_BUDGET_GB": f"{n / GIB:.6g}",
-                        },
-                    }
-                )
-    for s in specs:
-        s["selector"] = (
-            f"{s['route']}:{s['preset'] or s['offload_type']}" if s["route"] != "resident" else "resident"
-        )
-        s["id"] = _safe(
-            "-".join(str(x) for x in (s["route"], s["preset"] or s["offload_type"], s["budget"]) if x)
-        )
-    unique: dict[str, dict[str, Any]] = {}
-    for s in specs:  # the same route and budget asked twice (ours:X and ours:X@B) runs once
-        unique.setdefault(s["id"], s)
-    return list(unique.values())
-
-
 # -------------------------------------------------------------------------------------------------
 # the run
 # -------------------------------------------------------------------------------------------------
@@ -432,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in (a.ddo_low_ram_budgets or ("0.85x" if a.tiny else "4")).split(",")
     ]
     selectors = expand_routes(a.routes)
-    specs = make_specs(selectors, budgets, ddo_low, a.device, lambda t: parse_budget(t, wbytes, minimum))
+    specs = make_specs(selectors, budgets, ddo_low, lambda t: parse_budget(t, wbytes, minimum))
 
     versions = _versions()
     notes: list[str] = []

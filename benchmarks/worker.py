@@ -297,7 +297,7 @@ def _offload_ours(model, spec, dev):
 
     return ddo_blocks.offload(
         model,
-        route="linear",
+        route=spec["ddo_blocks_route"],
         preset=spec["preset"],
         vram_budget=spec["budget_bytes"],
         device=dev,
@@ -528,7 +528,7 @@ def _measure_row(job: dict[str, Any], model, row: dict[str, Any]) -> None:
     inputs = _row_inputs(attached.module, dev, dtype, ctx)
     _step(attached, inputs, dev, ctx, row)
     _memory_after(attached, spec, dev, row)
-    if spec["route"] == "ours" and spec["preset"] == "warm_process" and ctx.get("warm_rerun", True):
+    if spec.get("keep_warm") and ctx.get("warm_rerun", True):
         row.update(_warm_rerun(attached, spec, dev, inputs, ctx))
 
 
@@ -555,7 +555,7 @@ def run_row(job: dict[str, Any], model) -> dict[str, Any]:
 
 
 def _warm_rerun(attached: Attached, spec, dev, inputs, ctx) -> dict[str, Any]:
-    """warm_process: remove() and offload the same weights again; the slabs should be
+    """keep_warm (warm_process): remove() and offload the same weights again; the slabs should be
     reused without copying or pinning. Records the second setup, its first call and a short median."""
     handle = attached.info["_state"]["handle"]
     model = attached.module

@@ -1,13 +1,84 @@
-"""The benchmark harness's parts, without running a benchmark: process isolation
-(``benchmarks/isolation.py``)."""
+"""The benchmark harness's parts, without running a benchmark: the rows built from the route
+registry (``benchmarks/rows.py``) and process isolation (``benchmarks/isolation.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
+from benchmarks import rows
 from benchmarks.isolation import FORK_FAILED, Runner, choose_isolation, is_fork_cuda_failure
+from benchmarks.measure import GIB
+from ddo_blocks import routes
+from ddo_blocks.routes import HostMode, Preset
+
+# -------------------------------------------------------------------------------------------------
+# rows
+# -------------------------------------------------------------------------------------------------
+PEERS = ["resident", "diffusers:block_level", "diffusers:leaf_level", "ddo:one_shot_fast", "ddo:low_ram_safe"]
+
+
+def test_the_default_rows_are_the_registry_s_streaming_presets_and_the_peers():
+    linear = routes.get("linear")
+    ours = [f"ours:{p.name}" for p in linear.presets if p.host is not HostMode.CALLER and p.name != "wsl_compat"]
+    assert ours == ["ours:one_shot_fast", "ours:warm_process", "ours:low_ram_safe"]
+    assert set(rows.expand_routes("ours")) == set(rows.expand_routes("linear")) == set(ours)
+    # every default family runs, in the priority order (the time limit skips from the end)
+    assert rows.expand_routes("all") == list(rows.PRIORITY) and set(rows.PRIORITY) == {*ours, *PEERS}
+
+
+def test_a_preset_added_to_the_registry_becomes_a_row(monkeypatch):
+    linear = routes.get("linear")
+    disk = Preset("linear", "disk_probe", "a new way of holding weights", HostMode.DISK_STAGED)
+    resized = dataclasses.replace(linear.presets[0], name="one_shot_small")  # one_shot_fast's mechanism again
+    monkeypatch.setitem(routes.REGISTRY, "linear",
+                        dataclasses.replace(linear, presets=(*linear.presets, disk, resized)))
+    assert rows.expand_routes("all") == [*rows.PRIORITY, "ours:disk_probe"]
+    assert rows.expand_routes("ours:one_shot_small") == ["ours:one_shot_small"]  # by name only
+
+
+def test_our_selectors_are_checked_against_the_registry():
+    assert rows.expand_routes("ours:wsl_compat,ours:auto@2/4,resident") == [
+        "resident", "ours:wsl_compat", "ours:auto@2/4"]
+    with pytest.raises(SystemExit, match="unknown preset 'bogus'.*takes auto, one_shot_fast"):
+        rows.expand_routes("ours:bogus")
+    with pytest.raises(SystemExit, match="route 'nvme' streams from the model's files"):
+        rows.expand_routes("ours:nvme_baseline")
+    with pytest.raises(SystemExit, match="unknown preset 'off'"):
+        rows.expand_routes("ours:off")  # attaches nothing: not an offload row
+    with pytest.raises(SystemExit, match="only ours and ddo routes take budgets"):
+        rows.expand_routes("diffusers@2")
+
+
+def test_our_specs_name_the_registry_route_and_its_keep_warm():
+    budgets = [("2GiB", 2 * GIB)]
+    specs = rows.make_specs(rows.expand_routes("ours,resident,ddo"), budgets, [("4GiB", 4 * GIB)])
+    ours = {s["preset"]: s for s in specs if s["route"] == "ours"}
+    assert {s["ddo_blocks_route"] for s in ours.values()} == {"linear"}
+    assert {p for p, s in ours.items() if s["keep_warm"]} == {"warm_process"}
+    ddo = [s for s in specs if s["route"] == "ddo"]
+    assert [s["id"] for s in ddo] == ["ddo-one_shot_fast-2GiB", "ddo-low_ram_safe-4GiB"]
+    assert ddo[1]["env"]["DDO_RESIDENT_MODULE_BUDGET_GB"] == "4"
+    assert [s["id"] for s in specs][:2] == ["resident", "ours-one_shot_fast-2GiB"]
+
+
+@pytest.mark.parametrize(("token", "label", "nbytes"), [
+    ("2", "2GiB", 2 * GIB),
+    ("512 MiB", "512MiB", 512 << 20),
+    ("1.5GB", "1.5GB", 1_500_000_000),
+    ("0.25x", "0.25x", 250),
+    ("min", "min", 7),
+])
+def test_budget_tokens_keep_their_labels(token, label, nbytes):
+    assert rows.parse_budget(token, 1000, 7) == (label, nbytes)
+
+
+def test_a_budget_that_is_not_a_size_says_how_to_write_one():
+    for bad in ("2 apples", "-1", "x", "min"):
+        with pytest.raises(SystemExit, match="budget"):
+            rows.parse_budget(bad, 1000, None)
 
 
 # -------------------------------------------------------------------------------------------------
