@@ -31,15 +31,16 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import ROOT
 from . import results as R
 from .isolation import Runner, choose_isolation, import_diffusers
+from .measure import GIB
 from .rows import expand_routes, make_specs, parse_budget
 
-GIB = 1 << 30
 FLUX_DEV_BYTES = 22.17 * GIB
 
 EST_GPU_S = {
@@ -186,7 +187,7 @@ def model_config(a: argparse.Namespace) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------------------------
-# the run
+# versions, output folder, row lines
 # -------------------------------------------------------------------------------------------------
 def _versions() -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -250,119 +251,162 @@ def _fmt_row(r: dict[str, Any]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    a = parser().parse_args(argv)
-    if a.merge:
-        from . import merge
+# -------------------------------------------------------------------------------------------------
+# the plan: model, rows, what every job gets, the results document
+# -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelPlan:
+    """The model of the run, as laid out in the weight blob (built on the meta device, no weights)."""
 
-        return merge.main(
-            a.merge + (["--out", a.out] if a.out else []) + (["--no-plot"] if a.no_plot else [])
-        )
-    t_start = time.monotonic()
-    now = datetime.datetime.now(datetime.UTC)
-    command = "python -m benchmarks.run " + " ".join(shlex.quote(x) for x in argv)
-    cuda = a.device.startswith("cuda")
-    resolution = a.resolution or (128 if a.tiny else 1024)
-    side = max(1, resolution // 16)
-    text_tokens = a.text_tokens or (16 if a.tiny else 512)
-    time_limit = a.time_limit if a.time_limit is not None else (480.0 if cuda else 0.0)
+    cfg: dict[str, Any]
+    dtype: Any
+    entries: list[dict[str, Any]]
+    blob_bytes: int
+    weight_bytes: int
+    minimum: int | None
+    """Our planner's minimum budget (``min``), ``None`` where it cannot be computed here."""
+    description: str
 
-    import torch
+    def budget(self, token: str) -> tuple[str, int]:
+        return parse_budget(token, self.weight_bytes, self.minimum)
 
-    from . import model as M
-    from .worker import stub_row
+    def budgets(self, text: str) -> list[tuple[str, int]]:
+        return [self.budget(t) for t in text.split(",")]
 
-    import_diffusers(cuda)
-    cfg = model_config(a)
-    dtype = M.dtype_of(a.dtype)
-    meta = M.skeleton(cfg, dtype)
-    entries, blob_bytes = M.layout(meta)
-    wbytes = M.weight_bytes(meta)
-    minimum = None
+
+@dataclass(frozen=True)
+class Workload:
+    """One forward's inputs: image tokens per side and text tokens."""
+
+    resolution: int
+    side: int
+    text_tokens: int
+
+    @classmethod
+    def of(cls, a: argparse.Namespace) -> Workload:
+        resolution = a.resolution or (128 if a.tiny else 1024)
+        return cls(resolution, max(1, resolution // 16), a.text_tokens or (16 if a.tiny else 512))
+
+
+@dataclass
+class Run:
+    """One run of the harness: its arguments, model, rows, and the results document the rows fill."""
+
+    a: argparse.Namespace
+    argv: list[str]
+    now: datetime.datetime
+    t_start: float
+    cuda: bool
+    time_limit: float
+    model: ModelPlan
+    workload: Workload
+    specs: list[dict[str, Any]]
+    skips: dict[str, str]
+    """Rows skipped before they run (row id: why)."""
+    isolation: str
+    ctx: dict[str, Any]
+    """What every job gets."""
+    doc: dict[str, Any]
+    """results.json."""
+
+    @property
+    def notes(self) -> list[str]:
+        return self.doc["notes"]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.doc["config"]
+
+    @property
+    def scale(self) -> float:
+        """The model's size against Flux-dev's (for the time estimates)."""
+        return max(0.02, self.model.weight_bytes / FLUX_DEV_BYTES)
+
+    def estimate_s(self, selector: str, observed: dict[str, list[float]], isolation: str) -> float:
+        """Seconds a row of this family will take: 1.1 x its measured mean, else :data:`EST_GPU_S`
+        scaled by the model size."""
+        if observed.get(selector):
+            return 1.1 * sum(observed[selector]) / len(observed[selector])
+        est = 1.0 + EST_GPU_S.get(selector, EST_GPU_S.get(selector.split(":")[0], 20)) * self.scale
+        if isolation == "spawn":
+            est += 6 + 6 * self.scale
+        return est if self.cuda else 0.5 + est * 0.1
+
+
+def _minimum_budget(meta: Any) -> int | None:
     try:
         from ddo_blocks import _native
         from ddo_blocks.units import split_units, tensor_nbytes
 
         units, left = split_units(meta)
         base = sum(tensor_nbytes(p) for _, p in left) + sum(tensor_nbytes(b) for b in meta.buffers())
-        minimum = _native.minimum_budget(
+        return _native.minimum_budget(
             [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units], base
         )
     except Exception as exc:  # noqa: BLE001
         print(f"note: ddo_blocks is not importable here ({exc}); budget 'min' unavailable", file=sys.stderr)
-    del meta
-    budgets = [
-        parse_budget(t, wbytes, minimum)
-        for t in (a.budgets or ("min,0.85x" if a.tiny else "2,4,8,12,16")).split(",")
-    ]
-    ddo_low = [
-        parse_budget(t, wbytes, minimum)
-        for t in (a.ddo_low_ram_budgets or ("0.85x" if a.tiny else "4")).split(",")
-    ]
-    selectors = expand_routes(a.routes)
-    specs = make_specs(selectors, budgets, ddo_low, lambda t: parse_budget(t, wbytes, minimum))
+        return None
 
-    versions = _versions()
-    notes: list[str] = []
-    predetermined: dict[str, str] = {}
+
+def plan_model(a: argparse.Namespace) -> ModelPlan:
+    from . import model as M
+
+    cfg = model_config(a)
+    dtype = M.dtype_of(a.dtype)
+    meta = M.skeleton(cfg, dtype)
+    entries, blob_bytes = M.layout(meta)
+    heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    desc = (
+        f"FluxTransformer2DModel {cfg['num_layers']}+{cfg['num_single_layers']} blocks, "
+        f"width {heads * head_dim} ({heads}x{head_dim})" + (" [tiny]" if a.tiny else "")
+    )
+    return ModelPlan(cfg, dtype, entries, blob_bytes, M.weight_bytes(meta), _minimum_budget(meta), desc)
+
+
+def known_skips(specs: list[dict[str, Any]], cuda: bool, versions: dict[str, Any]) -> dict[str, str]:
+    """The rows that cannot run here, and why: DDO rc2 needs CUDA and its package."""
+    skips: dict[str, str] = {}
     for s in specs:
-        if s["route"] == "ddo":
-            if not cuda:
-                predetermined[s["id"]] = "DDO 0.1.0rc2 needs a CUDA device: skipped on the CPU"
-            elif (
-                versions.get("ddo_rc2") is None
-                and importlib.util.find_spec("diffusers_dynamic_offloader") is None
-            ):
-                predetermined[s["id"]] = (
-                    "diffusers-dynamic-offloader (the original DDO) is not installed: skipped"
-                )
-    notes.extend(sorted(set(predetermined.values())))
+        if s["route"] != "ddo":
+            continue
+        if not cuda:
+            skips[s["id"]] = "DDO 0.1.0rc2 needs a CUDA device: skipped on the CPU"
+        elif versions.get("ddo_rc2") is None and importlib.util.find_spec("diffusers_dynamic_offloader") is None:
+            skips[s["id"]] = "diffusers-dynamic-offloader (the original DDO) is not installed: skipped"
+    return skips
 
-    scale = max(0.02, wbytes / FLUX_DEV_BYTES)
 
-    def estimate(sel: str, observed: dict[str, list[float]], isolation: str) -> float:
-        if observed.get(sel):
-            return 1.1 * sum(observed[sel]) / len(observed[sel])
-        base = EST_GPU_S.get(sel, EST_GPU_S.get(sel.split(":")[0], 20))
-        est = 1.0 + base * scale
-        if isolation == "spawn":
-            est += 6 + 6 * scale
-        return est if cuda else 0.5 + est * 0.1
-
-    isolation, why = choose_isolation(a.isolation)
-    if why:
-        notes.append(why)
-
-    ctx = {
+def job_context(a: argparse.Namespace, model: ModelPlan, w: Workload, cuda: bool) -> dict[str, Any]:
+    return {
         "device": a.device,
-        "cfg": cfg,
+        "cfg": model.cfg,
         "dtype": a.dtype,
         "seed": a.seed,
-        "height_tokens": side,
-        "width_tokens": side,
-        "text_tokens": text_tokens,
+        "height_tokens": w.side,
+        "width_tokens": w.side,
+        "text_tokens": w.text_tokens,
         "repeats": a.repeats,
         "warmup": max(1, a.warmup),
-        "weight_bytes": wbytes,
-        "bw_bytes": parse_budget(a.bw_bytes, wbytes, None)[1] if a.bw_bytes else (GIB if cuda else 64 << 20),
+        "weight_bytes": model.weight_bytes,
+        "bw_bytes": parse_budget(a.bw_bytes, model.weight_bytes, None)[1] if a.bw_bytes else (GIB if cuda else 64 << 20),
         "bw_threads": [int(x) for x in a.bw_threads.split(",") if x.strip()],
         "bandwidth": not a.no_bandwidth,
         "load_threads": a.load_threads,
         "rss_interval_s": 0.01,
     }
-    desc = (
-        f"FluxTransformer2DModel {cfg['num_layers']}+{cfg['num_single_layers']} blocks, "
-        f"width {cfg['num_attention_heads'] * cfg['attention_head_dim']} "
-        f"({cfg['num_attention_heads']}x{cfg['attention_head_dim']})" + (" [tiny]" if a.tiny else "")
-    )
-    config = {
+
+
+def run_config(a: argparse.Namespace, model: ModelPlan, w: Workload, selectors: list[str],
+               budgets: list[tuple[str, int]], ddo_low: list[tuple[str, int]], time_limit: float) -> dict[str, Any]:
+    """results.json's ``config``."""
+    cfg = model.cfg
+    return {
         "device": a.device,
         "tiny": a.tiny,
         "dtype": a.dtype,
-        "resolution": resolution,
-        "image_tokens": side * side,
-        "text_tokens": text_tokens,
+        "resolution": w.resolution,
+        "image_tokens": w.side * w.side,
+        "text_tokens": w.text_tokens,
         "repeats": a.repeats,
         "warmup": max(1, a.warmup),
         "routes": selectors,
@@ -373,39 +417,26 @@ def main(argv: list[str] | None = None) -> int:
         "row_timeout_s": a.row_timeout,
         "seed": a.seed,
         "model": {
-            "description": desc,
+            "description": model.description,
             "cfg": cfg,
-            "weight_bytes": wbytes,
-            "blob_bytes": blob_bytes,
+            "weight_bytes": model.weight_bytes,
+            "blob_bytes": model.blob_bytes,
             "double_layers": cfg["num_layers"],
             "single_layers": cfg["num_single_layers"],
             "width": cfg["num_attention_heads"] * cfg["attention_head_dim"],
         },
     }
 
-    print(
-        f"benchmark: {desc}, {wbytes / GIB:.2f} GiB {a.dtype}; {side * side}+{text_tokens} tokens; "
-        f"{len(specs)} rows on {a.device}; isolation {isolation}"
-        + (f"; time limit {time_limit:.0f} s" if time_limit else ""),
-        flush=True,
-    )
-    if a.dry_run:
-        total = estimate("build", {}, isolation) + (3 * scale if isolation == "fork" else 0)
-        for s in specs:
-            e = 0 if s["id"] in predetermined else estimate(s["selector"], {}, isolation)
-            total += e
-            print(
-                f"  {s['id']:<40} ~{e:5.0f} s"
-                + (f"  ({predetermined[s['id']]})" if s["id"] in predetermined else "")
-            )
-        print(f"estimated total: {total:.0f} s")
-        return 0
 
-    machine: dict[str, Any] = {k: v for k, v in versions.items()}
+def new_doc(now: datetime.datetime, argv: list[str], versions: dict[str, Any], config: dict[str, Any],
+            notes: list[str]) -> dict[str, Any]:
+    """results.json before the builder: this machine's versions and facts (the builder adds the GPU's)."""
     import platform
 
     import psutil
+    import torch
 
+    machine: dict[str, Any] = dict(versions)
     machine.update(
         hostname=platform.node(),
         cpu_count=os.cpu_count(),
@@ -413,10 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         python=platform.python_version(),
         torch=torch.__version__,
     )
-    doc: dict[str, Any] = {
+    return {
         "schema": R.SCHEMA,
         "created": now.isoformat(timespec="seconds"),
-        "command": command,
+        "command": "python -m benchmarks.run " + " ".join(shlex.quote(x) for x in argv),
         "machine": machine,
         "config": config,
         "bandwidth": None,
@@ -424,130 +455,232 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
     }
 
-    fd = M.new_blob(blob_bytes, a.cache_dir)
-    runner = Runner(isolation, fd, a.row_timeout, notes)
+
+def plan_run(a: argparse.Namespace, argv: list[str]) -> Run:
+    """Everything decided before a process starts: the model's layout, the rows, the isolation."""
+    t_start, now = time.monotonic(), datetime.datetime.now(datetime.UTC)
+    cuda = a.device.startswith("cuda")
+    time_limit = a.time_limit if a.time_limit is not None else (480.0 if cuda else 0.0)
+    import_diffusers(cuda)
+    model = plan_model(a)
+    budgets = model.budgets(a.budgets or ("min,0.85x" if a.tiny else "2,4,8,12,16"))
+    ddo_low = model.budgets(a.ddo_low_ram_budgets or ("0.85x" if a.tiny else "4"))
+    selectors = expand_routes(a.routes)
+    specs = make_specs(selectors, budgets, ddo_low, model.budget)
+    versions = _versions()
+    skips = known_skips(specs, cuda, versions)
+    isolation, why = choose_isolation(a.isolation)
+    notes = sorted(set(skips.values())) + ([why] if why else [])
+    w = Workload.of(a)
+    doc = new_doc(now, argv, versions, run_config(a, model, w, selectors, budgets, ddo_low, time_limit), notes)
+    return Run(a, argv, now, t_start, cuda, time_limit, model, w, specs, skips, isolation,
+               job_context(a, model, w, cuda), doc)
+
+
+def print_plan(run: Run) -> None:
+    m, w = run.model, run.workload
+    print(
+        f"benchmark: {m.description}, {m.weight_bytes / GIB:.2f} GiB {run.a.dtype}; {w.side * w.side}+{w.text_tokens} "
+        f"tokens; {len(run.specs)} rows on {run.a.device}; isolation {run.isolation}"
+        + (f"; time limit {run.time_limit:.0f} s" if run.time_limit else ""),
+        flush=True,
+    )
+
+
+def print_estimate(run: Run) -> None:
+    """``--dry-run``: every row with the seconds it should take, and the total."""
+    total = run.estimate_s("build", {}, run.isolation) + (3 * run.scale if run.isolation == "fork" else 0)
+    for s in run.specs:
+        why = run.skips.get(s["id"])
+        e = 0 if why else run.estimate_s(s["selector"], {}, run.isolation)
+        total += e
+        print(f"  {s['id']:<40} ~{e:5.0f} s" + (f"  ({why})" if why else ""))
+    print(f"estimated total: {total:.0f} s")
+
+
+# -------------------------------------------------------------------------------------------------
+# the run: builder, model, rows, results
+# -------------------------------------------------------------------------------------------------
+def run_builder(run: Run, runner: Runner) -> Path | None:
+    """The builder process: the weights into the blob, the machine's facts, the bandwidth. Returns
+    the output folder, or ``None`` when the build failed (results.json says why)."""
+    t0 = time.monotonic()
+    res = runner.run_job({"kind": "build", "ctx": run.ctx, "entries": run.model.entries},
+                         timeout=max(run.a.row_timeout, 300))
+    machine = run.doc["machine"]
+    if res.get("status") == "error":
+        print(f"error: building the model failed: {res.get('error')}\n{res.get('traceback', '')}", file=sys.stderr)
+        run.notes.append(f"building the model failed: {res.get('error')}")
+        run.doc["build_error"] = {k: res.get(k) for k in ("error", "traceback")}
+        out = _out_dir(run.a, machine, run.now)
+        R.write(run.doc, out, with_plot=False)
+        print(f"wrote {out / 'results.json'}", file=sys.stderr)
+        return None
+    machine.update({k: v for k, v in res.get("machine", {}).items() if v is not None or k not in machine})
+    run.doc["bandwidth"] = res.get("bandwidth")
+    run.doc["build"] = {"build_s": res.get("build_s"), "process_s": time.monotonic() - t0}
+    out = _out_dir(run.a, machine, run.now)
+    out.mkdir(parents=True, exist_ok=True)
+    print(_built_line(run, res, t0, out), flush=True)
+    return out
+
+
+def _built_line(run: Run, res: dict[str, Any], t0: float, out: Path) -> str:
+    bw = run.doc["bandwidth"] or {}
+    link = (
+        f"pinned h2d {bw.get('pinned_h2d_gb_s', 0):.1f} GB/s, pageable {bw.get('pageable_h2d_gb_s', 0):.1f} GB/s, "
+        f"host copy {bw.get('host_copy_gb_s')}; "
+        if bw
+        else ""
+    )
+    return (
+        f"built {run.model.weight_bytes / GIB:.2f} GiB of weights in {res.get('build_s', 0):.1f} s "
+        f"({time.monotonic() - t0:.1f} s with the process); " + link + f"results -> {out}"
+    )
+
+
+def load_model_here(run: Run, runner: Runner) -> None:
+    """Fork isolation: the model, once, in this process (every forked row starts with it)."""
+    if runner.isolation != "fork":
+        return
+    from . import model as M
+
+    t0 = time.monotonic()
+    m = run.model
+    runner.model = M.load_model(m.cfg, m.dtype, m.entries, runner.blob_fd, run.a.load_threads)
+    run.doc["build"]["parent_load_s"] = time.monotonic() - t0
+    print(f"loaded the model into this process in {time.monotonic() - t0:.1f} s", flush=True)
+
+
+def _over_time(run: Run, spec: dict[str, Any], observed: dict[str, list[float]], isolation: str) -> str | None:
+    """Why the row would not finish within ``--time-limit``, if it would not."""
+    est = run.estimate_s(spec["selector"], observed, isolation)
+    elapsed = time.monotonic() - run.t_start
+    if run.time_limit and elapsed + est > run.time_limit:
+        return f"time limit: {elapsed:.0f} s gone, this row needs about {est:.0f} s of the {run.time_limit:.0f} s"
+    return None
+
+
+def skip_row(run: Run, spec: dict[str, Any], why: str, head: str) -> None:
+    from .worker import stub_row
+
+    row = stub_row(spec, "skipped", why)
+    run.doc["rows"].append(row)
+    print(f"{head} {_fmt_row(row)}", flush=True)
+
+
+def run_row(run: Run, runner: Runner, spec: dict[str, Any], observed: dict[str, list[float]], head: str,
+            out: Path) -> None:
+    """One row in its own process; results.json is rewritten after it."""
+    res = runner.run_job({"kind": "row", "ctx": run.ctx, "spec": spec, "entries": run.model.entries})
+    if run.cuda and res.get("status") == "ok":
+        runner.forked_cuda_works()
+    res["selector"] = spec["selector"]
+    observed.setdefault(spec["selector"], []).append(res.get("process_wall_s", 0.0))
+    run.doc["rows"].append(res)
+    print(f"{head} {_fmt_row(res)} ({res.get('process_wall_s', 0):.1f} s)", flush=True)
+    if res.get("status") == "error" and res.get("traceback"):
+        print(res["traceback"], file=sys.stderr, flush=True)
+    run.config["isolation_used"] = runner.isolation
+    R.write(run.doc, out, with_plot=False)
+
+
+def run_rows(run: Run, runner: Runner, out: Path) -> list[dict[str, Any]]:
+    """Every row in turn (or its skip); returns the specs skipped for the time limit."""
+    observed: dict[str, list[float]] = {}
+    late: list[dict[str, Any]] = []
+    for i, spec in enumerate(run.specs):
+        head = f"[{i + 1:>2}/{len(run.specs)} {time.monotonic() - run.t_start:5.0f}s]"
+        if spec["id"] in run.skips:
+            skip_row(run, spec, run.skips[spec["id"]], head)
+        elif why := _over_time(run, spec, observed, runner.isolation):
+            skip_row(run, spec, why, head)
+            late.append(spec)
+        else:
+            run_row(run, runner, spec, observed, head, out)
+    return late
+
+
+def rerun_notes(run: Run, late: list[dict[str, Any]], out: Path) -> list[str]:
+    """For the rows skipped for time: the command that runs each family, and the merge."""
+    by_sel: dict[str, list[str]] = {}
+    for s in late:
+        by_sel.setdefault(s["selector"], [])
+        if s["budget"] and s["budget"] not in by_sel[s["selector"]]:
+            by_sel[s["selector"]].append(s["budget"])
+    base_args = _strip_args(run.argv, ("--routes", "--budgets", "--ddo-low-ram-budgets", "--out"))
+    notes = []
+    for sel, buds in by_sel.items():
+        extra = ["--routes", sel]
+        if buds:
+            extra += ["--ddo-low-ram-budgets" if sel == "ddo:low_ram_safe" else "--budgets", ",".join(buds)]
+        notes.append(
+            "not run for time; run it with: python -m benchmarks.run "
+            + " ".join(shlex.quote(x) for x in base_args + extra)
+            + f" and merge: python -m benchmarks.merge {out} <that run's folder>"
+        )
+    return notes
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def execute(run: Run) -> int:
+    """The builder, the model in this process, the rows; SIGTERM or Ctrl-C keeps what was measured."""
+    from . import model as M
+
+    runner = Runner(run.isolation, M.new_blob(run.model.blob_bytes, run.a.cache_dir), run.a.row_timeout, run.notes)
     out: Path | None = None
     interrupted = False
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    old_term = signal.signal(signal.SIGTERM, on_term)
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        # 1. the builder: weights into the blob, machine facts, bandwidth
-        build_job = {"kind": "build", "ctx": ctx, "entries": entries}
-        t0 = time.monotonic()
-        res = runner.run_job(build_job, timeout=max(a.row_timeout, 300))
-        if res.get("status") == "error":
-            print(
-                f"error: building the model failed: {res.get('error')}\n{res.get('traceback', '')}",
-                file=sys.stderr,
-            )
-            notes.append(f"building the model failed: {res.get('error')}")
-            doc["build_error"] = {k: res.get(k) for k in ("error", "traceback")}
-            out = _out_dir(a, machine, now)
-            R.write(doc, out, with_plot=False)
-            print(f"wrote {out / 'results.json'}", file=sys.stderr)
-            return 1
-        machine.update({k: v for k, v in res.get("machine", {}).items() if v is not None or k not in machine})
-        doc["bandwidth"] = res.get("bandwidth")
-        doc["build"] = {"build_s": res.get("build_s"), "process_s": time.monotonic() - t0}
-        out = _out_dir(a, machine, now)
-        out.mkdir(parents=True, exist_ok=True)
-        bw = doc["bandwidth"] or {}
-        print(
-            f"built {wbytes / GIB:.2f} GiB of weights in {res.get('build_s', 0):.1f} s "
-            f"({time.monotonic() - t0:.1f} s with the process); "
-            + (
-                f"pinned h2d {bw.get('pinned_h2d_gb_s', 0):.1f} GB/s, pageable {bw.get('pageable_h2d_gb_s', 0):.1f} GB/s, "
-                f"host copy {bw.get('host_copy_gb_s')}; "
-                if bw
-                else ""
-            )
-            + f"results -> {out}",
-            flush=True,
-        )
-
-        # 2. the model, once, in this process (fork isolation)
-        if runner.isolation == "fork":
-            t0 = time.monotonic()
-            runner.model = M.load_model(cfg, dtype, entries, fd, a.load_threads)
-            doc["build"]["parent_load_s"] = time.monotonic() - t0
-            print(f"loaded the model into this process in {time.monotonic() - t0:.1f} s", flush=True)
-
-        # 3. the rows
-        observed: dict[str, list[float]] = {}
-        skipped_for_time: list[dict[str, Any]] = []
-        for i, spec in enumerate(specs):
-            head = f"[{i + 1:>2}/{len(specs)} {time.monotonic() - t_start:5.0f}s]"
-            if spec["id"] in predetermined:
-                row = stub_row(spec, "skipped", predetermined[spec["id"]])
-                doc["rows"].append(row)
-                print(f"{head} {_fmt_row(row)}", flush=True)
-                continue
-            est = estimate(spec["selector"], observed, runner.isolation)
-            elapsed = time.monotonic() - t_start
-            if time_limit and elapsed + est > time_limit:
-                row = stub_row(
-                    spec,
-                    "skipped",
-                    f"time limit: {elapsed:.0f} s gone, this row needs about "
-                    f"{est:.0f} s of the {time_limit:.0f} s",
-                )
-                doc["rows"].append(row)
-                skipped_for_time.append(spec)
-                print(f"{head} {_fmt_row(row)}", flush=True)
-                continue
-            job = {"kind": "row", "ctx": ctx, "spec": spec, "entries": entries}
-            res = runner.run_job(job)
-            if cuda and res.get("status") == "ok":
-                runner.forked_cuda_works()
-            res["selector"] = spec["selector"]
-            observed.setdefault(spec["selector"], []).append(res.get("process_wall_s", 0.0))
-            doc["rows"].append(res)
-            print(f"{head} {_fmt_row(res)} ({res.get('process_wall_s', 0):.1f} s)", flush=True)
-            if res.get("status") == "error" and res.get("traceback"):
-                print(res["traceback"], file=sys.stderr, flush=True)
-            config["isolation_used"] = runner.isolation
-            R.write(doc, out, with_plot=False)
-        if skipped_for_time:
-            by_sel: dict[str, list[str]] = {}
-            for s in skipped_for_time:
-                by_sel.setdefault(s["selector"], [])
-                if s["budget"] and s["budget"] not in by_sel[s["selector"]]:
-                    by_sel[s["selector"]].append(s["budget"])
-            base_args = [
-                x for x in _strip_args(argv, ("--routes", "--budgets", "--ddo-low-ram-budgets", "--out"))
-            ]
-            for sel, buds in by_sel.items():
-                extra = ["--routes", sel]
-                if buds:
-                    extra += [
-                        "--ddo-low-ram-budgets" if sel == "ddo:low_ram_safe" else "--budgets",
-                        ",".join(buds),
-                    ]
-                notes.append(
-                    "not run for time; run it with: python -m benchmarks.run "
-                    + " ".join(shlex.quote(x) for x in base_args + extra)
-                    + f" and merge: python -m benchmarks.merge {out} <that run's folder>"
-                )
+        out = run_builder(run, runner)
+        if out is not None:
+            load_model_here(run, runner)
+            run.notes.extend(rerun_notes(run, run_rows(run, runner, out), out))
     except KeyboardInterrupt:
         interrupted = True
         runner.kill_current()
-        notes.append("interrupted: the rows after the last one listed did not run")
+        run.notes.append("interrupted: the rows after the last one listed did not run")
         print("interrupted", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, old_term)
         runner.close()
-    config["isolation_used"] = runner.isolation
-    doc["wall_s"] = time.monotonic() - t_start
+    return finish(run, runner.isolation, out, interrupted)
+
+
+def finish(run: Run, isolation_used: str, out: Path | None, interrupted: bool) -> int:
+    """results.json, results.md and results.png, the tables printed; the exit status."""
+    run.config["isolation_used"] = isolation_used
+    run.doc["wall_s"] = time.monotonic() - run.t_start
     if out is None:
         return 1
-    paths = R.write(doc, out, with_plot=not a.no_plot)
+    paths = R.write(run.doc, out, with_plot=not run.a.no_plot)
     print()
     print(paths["md"].read_text())
-    print(f"wrote {', '.join(str(p) for k, p in paths.items() if p.exists())} in {doc['wall_s']:.0f} s")
+    print(f"wrote {', '.join(str(p) for k, p in paths.items() if p.exists())} in {run.doc['wall_s']:.0f} s")
     return 130 if interrupted else 0
+
+
+def merge_runs(a: argparse.Namespace) -> int:
+    """``--merge DIR ...``: ``python -m benchmarks.merge``."""
+    from . import merge
+
+    return merge.main(a.merge + (["--out", a.out] if a.out else []) + (["--no-plot"] if a.no_plot else []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parser().parse_args(argv)
+    if a.merge:
+        return merge_runs(a)
+    run = plan_run(a, argv)
+    print_plan(run)
+    if a.dry_run:
+        print_estimate(run)
+        return 0
+    return execute(run)
 
 
 def _strip_args(argv: list[str], names: tuple[str, ...]) -> list[str]:
