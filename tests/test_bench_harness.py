@@ -1,18 +1,76 @@
-"""The benchmark harness's parts, without running a benchmark: the rows built from the route
-registry (``benchmarks/rows.py``) and process isolation (``benchmarks/isolation.py``)."""
+"""The benchmark harness's parts, without running a benchmark: what every benchmark measures the same
+way (``benchmarks/measure.py``), the rows built from the route registry (``benchmarks/rows.py``) and
+process isolation (``benchmarks/isolation.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 
 import pytest
 
 from benchmarks import rows
 from benchmarks.isolation import FORK_FAILED, Runner, choose_isolation, is_fork_cuda_failure
-from benchmarks.measure import GIB
-from ddo_blocks import routes
+from benchmarks.measure import GIB, RssSampler, parse_size, time_forward, timed_calls
+from ddo_blocks import ConfigError, routes
 from ddo_blocks.routes import HostMode, Preset
+
+
+# -------------------------------------------------------------------------------------------------
+# measure
+# -------------------------------------------------------------------------------------------------
+class _Forward:
+    """A forward that logs its calls and counts its outputs alive."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.alive = self.most_alive = 0
+
+    def __call__(self, **inputs):
+        self.log.append("call")
+        return _Output(self)
+
+
+class _Output:
+    def __init__(self, fwd: _Forward):
+        self.fwd = fwd
+        fwd.alive += 1
+        fwd.most_alive = max(fwd.most_alive, fwd.alive)
+
+    def __del__(self):
+        self.fwd.alive -= 1
+
+
+def test_the_timed_forward_loop_warms_up_then_times_the_repeats():
+    fwd = _Forward()
+    timing = time_forward(fwd, {"x": 1}, "cpu", warmup=3, repeats=4,
+                          after_warmup=lambda: fwd.log.append("after warm-up"), keep_output=True)
+    assert fwd.log == ["call"] * 3 + ["after warm-up"] + ["call"] * 4
+    assert len(timing.times) == 4 and timing.first_call_s > 0
+    assert timing.step_s == statistics.median(timing.times)
+    assert isinstance(timing.output, _Output) and fwd.most_alive == 1  # one output alive at a time
+    assert time_forward(fwd, {}, "cpu", repeats=1).output is None
+    assert len(timed_calls(fwd, {}, "cpu", 2)) == 2
+
+
+def test_the_peak_rss_is_the_larger_of_the_samples_and_ru_maxrss():
+    sampler = RssSampler(0.001).start()
+    block = bytearray(64 << 20)  # touched: 64 MiB resident
+    rss = sampler.stop()
+    del block
+    assert rss.start > 0 and rss.sampled >= max(rss.start, rss.end)
+    assert rss.peak == max(rss.sampled, rss.ru_maxrss) >= rss.end
+
+
+def test_sizes_are_read_by_the_package_with_bare_numbers_in_gib_unless_told():
+    assert parse_size("2") == 2 * GIB and parse_size(" 1.5GB ") == 1_500_000_000
+    assert parse_size("8", bare_unit="B") == 8 and parse_size("8GiB", bare_unit="B") == 8 * GIB
+    assert parse_size("0.5x", 1000) == 500 and parse_size("0.5X", 1000) == 500
+    with pytest.raises(ConfigError):
+        parse_size("1e3")
+    with pytest.raises(ValueError, match="fraction"):
+        parse_size("0.5x")
 
 # -------------------------------------------------------------------------------------------------
 # rows
