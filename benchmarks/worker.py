@@ -411,8 +411,6 @@ def _process_warmup(model, dev, dtype, ctx: dict[str, Any]) -> float:
     ``first_call_s`` measures the route's own first call (order tracing, cold slots), not the process's."""
     import torch
 
-    from . import model as M
-
     t = time.perf_counter()
     cfg = {**dict(model.config), "num_layers": 1, "num_single_layers": 1}
     with torch.device("meta"):
@@ -421,8 +419,7 @@ def _process_warmup(model, dev, dtype, ctx: dict[str, Any]) -> float:
     with torch.no_grad():
         for p in small.parameters():
             p.normal_(0, 0.02)
-        inputs = M.make_inputs(small, height_tokens=ctx["height_tokens"], width_tokens=ctx["width_tokens"],
-                               text_tokens=ctx["text_tokens"], device=dev, dtype=dtype, seed=ctx["seed"] + 1)
+        inputs = _row_inputs(small, dev, dtype, ctx)
         small(**inputs)
     sync(dev)
     del small, inputs
