@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import time
 from datetime import UTC, datetime
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.measure import Timing, time_forward
 
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
@@ -70,18 +71,15 @@ def _weights(components: dict[str, Any]) -> dict[str, int]:
             for n, m in components.items() if isinstance(m, torch.nn.Module)}
 
 
-def _images(pipe: Any, device: torch.device, call: dict[str, Any], repeats: int) -> tuple[torch.Tensor, list[float]]:
-    times, image = [], None
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            image = pipe(generator=torch.Generator("cpu").manual_seed(0), output_type="pt", **call).images
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return image.cpu(), times
+def _images(pipe: Any, device: torch.device, call: dict[str, Any], repeats: int) -> tuple[torch.Tensor, Timing]:
+    """One warm-up image, then ``repeats`` timed ones (the harness's loop); the peak GPU counter is
+    reset after the warm-up."""
+
+    def image(**kw: Any) -> torch.Tensor:
+        return pipe(generator=torch.Generator("cpu").manual_seed(0), output_type="pt", **kw).images
+
+    timing = time_forward(image, call, device, repeats=repeats, after_warmup=lambda: _reset(device), keep_output=True)
+    return timing.output.cpu(), timing
 
 
 def _peak(device: torch.device) -> int | None:
@@ -112,20 +110,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
 
     pipe.to(device)
-    _reset(device)
-    ref, times = _images(pipe, device, call, args.repeats)
-    rows.append({"pipeline": "all components resident", "vram_budget": None, "image_s": statistics.median(times[1:] or times),
-                 "first_image_s": times[0], "peak_gpu_allocated": _peak(device), "exact": True})
+    ref, timing = _images(pipe, device, call, args.repeats)
+    rows.append({"pipeline": "all components resident", "vram_budget": None, "image_s": timing.step_s,
+                 "first_image_s": timing.first_call_s, "peak_gpu_allocated": _peak(device), "exact": True})
     pipe.to("cpu")
 
     t1 = time.perf_counter()
     off = ddo_blocks.offload_pipeline(pipe, vram_budget=args.vram_budget, device=device)
     setup_s = time.perf_counter() - t1
-    _reset(device)
-    image, times = _images(pipe, device, call, args.repeats)
+    image, timing = _images(pipe, device, call, args.repeats)
     reports = {n: r.to_dict() for n, r in off.report().items()}
     rows.append({"pipeline": "offload_pipeline", "vram_budget": off.vram_budget,
-                 "image_s": statistics.median(times[1:] or times), "first_image_s": times[0], "setup_s": setup_s,
+                 "image_s": timing.step_s, "first_image_s": timing.first_call_s, "setup_s": setup_s,
                  "peak_gpu_allocated": _peak(device), "planned_gpu_bytes": off.gpu_bytes,
                  "policies": {n: p.describe() for n, p in off.policies.items()},
                  "exact": bool(torch.equal(image, ref))})
@@ -163,7 +159,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# offload_pipeline: a classic FluxPipeline ({doc['machine']})", "",
              f"- date: {doc['date']}; commit: {doc['commit']}; command: `{doc['command']}`",
              "- weights: " + ", ".join(f"{n} {fmt_bytes(b)}" for n, b in doc["weights"].items()),
-             f"- call: {json.dumps(doc['call'])}; time per image = median of {doc['repeats']} calls after the first",
+             f"- call: {json.dumps(doc['call'])}; time per image = median of {doc['repeats']} timed calls after a warm-up "
+             "call; peak GPU over the timed calls",
              "", "| pipeline | VRAM budget | s / image | first image s | peak GPU allocated | exact |",
              "|---|---|---|---|---|---|"]
     for r in doc["rows"]:
@@ -182,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--vram-budget", default="8GiB")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=2, help="images per pipeline (the first is a warm-up)")
+    p.add_argument("--repeats", type=int, default=2, help="timed images per pipeline, after one warm-up image")
     p.add_argument("--tiny", action="store_true", help="ddo_blocks' tiny components (CPU, tests)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
