@@ -58,23 +58,28 @@ def test_report_is_versioned_json_with_a_table(flux):
     handle.remove()
 
 
-def test_budget_min_is_for_the_routes_that_stream():
+def _stage_args(preset: str, stage: str, **given):
+    """The command line's parsed arguments with one stage's options set, and blocks with that stage."""
     import argparse
 
+    from ddo_blocks.blocks.runner import STAGES
+
+    ns = argparse.Namespace(preset=preset, **{f"{s}_{k}": None for s in STAGES
+                                              for k in ("route", "preset", "budget", "offload_type")})
+    for key, value in given.items():
+        setattr(ns, f"{stage}_{key}", value)
+    return ns, argparse.Namespace(sub_blocks={stage: None})
+
+
+def test_budget_min_is_for_the_routes_that_stream():
     import pytest
 
-    from ddo_blocks.blocks.runner import STAGES, stage_policies
+    from ddo_blocks.blocks.runner import stage_policies
 
-    ns = argparse.Namespace(preset="off", **{f"{s}_{k}": None for s in STAGES for k in ("route", "preset", "budget",
-                                                                                      "offload_type")})
-    ns.text_encoder_route, ns.text_encoder_budget = "resident", "min"
-
-    class Blocks:
-        sub_blocks = {"text_encoder": None}
-
+    ns, blocks = _stage_args("off", "text_encoder", route="resident", budget="min")
     with pytest.raises(ddo_blocks.ConfigError, match="budget min applies to the routes that stream \\(linear, nvme\\); "
                                                       "route 'resident' was asked"):
-        stage_policies(ns, {}, Blocks())
+        stage_policies(ns, {}, blocks)
 
 
 def test_a_model_of_another_family_is_named(tmp_path):
@@ -92,19 +97,11 @@ def test_a_model_of_another_family_is_named(tmp_path):
 
 
 def test_offload_type_block_level_on_the_command_line_works():
-    import argparse
-
     from ddo_blocks.blocks.policy import OffloadPolicy
-    from ddo_blocks.blocks.runner import STAGES, stage_policies
+    from ddo_blocks.blocks.runner import stage_policies
 
-    ns = argparse.Namespace(preset="auto", **{f"{s}_{k}": None for s in STAGES for k in ("route", "preset", "budget",
-                                                                                       "offload_type")})
-    ns.decode_route, ns.decode_offload_type = "diffusers", "block_level"
-
-    class Blocks:
-        sub_blocks = {"decode": None}
-
-    policy = OffloadPolicy.parse(stage_policies(ns, {}, Blocks())["decode"])
+    ns, blocks = _stage_args("auto", "decode", route="diffusers", offload_type="block_level")
+    policy = OffloadPolicy.parse(stage_policies(ns, {}, blocks)["decode"])
     policy.check(torch.device("cpu"))  # block_level with its num_blocks_per_group: valid
     assert policy.options["num_blocks_per_group"] == 1
 
