@@ -110,8 +110,12 @@ impl HostBuffer {
 }
 
 /// Copies `n` bytes from host address `src` to host address `dst`, in parallel chunks on the
-/// current rayon pool when large. The ranges must be live and must not overlap.
-pub fn copy_host(dst: usize, src: usize, n: usize) {
+/// current rayon pool when large.
+///
+/// # Safety
+/// `src` is `n` readable and `dst` `n` writable bytes of host memory, disjoint, allocated for the
+/// duration of the call and not written by anyone else meanwhile.
+pub unsafe fn copy_host(dst: usize, src: usize, n: usize) {
     if n == 0 {
         return;
     }
@@ -174,8 +178,10 @@ pub fn copy_host_many(jobs: &[(usize, usize, usize)]) -> Result<()> {
     for &(dst, src, n) in jobs {
         check_host_copy(dst, src, n)?;
     }
-    jobs.par_iter()
-        .for_each(|&(dst, src, n)| copy_host(dst, src, n));
+    jobs.par_iter().for_each(|&(dst, src, n)| {
+        // SAFETY: each range was checked above and the caller guarantees the memory behind it.
+        unsafe { copy_host(dst, src, n) }
+    });
     Ok(())
 }
 
@@ -256,7 +262,8 @@ mod tests {
         ] {
             let src: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
             let mut dst = vec![0u8; n];
-            copy_host(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n);
+            // SAFETY: two live, disjoint vectors of `n` bytes.
+            unsafe { copy_host(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n) };
             assert_eq!(src, dst, "size {n}");
         }
     }
@@ -331,6 +338,8 @@ mod tests {
         let buf = HostBuffer::new(10_000, false).unwrap();
         assert_eq!(buf.ptr() % 4096, 0);
         assert!(!buf.is_pinned());
-        copy_host(buf.ptr(), [1u8; 16].as_ptr() as usize, 16);
+        let src = [1u8; 16];
+        // SAFETY: the buffer holds 10 000 writable bytes; `src` 16 readable ones.
+        unsafe { copy_host(buf.ptr(), src.as_ptr() as usize, 16) };
     }
 }

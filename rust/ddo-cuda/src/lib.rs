@@ -13,6 +13,7 @@ mod driver;
 mod error;
 mod event;
 mod host;
+mod job;
 mod reader;
 mod readpool;
 mod stager;
@@ -27,5 +28,6 @@ pub use event::Event;
 pub use host::{
     copy_host, copy_host_many, read_fd_into, read_file_into, HostBuffer, HostRegistration,
 };
+pub use job::{Staging, Target, MAX_STAGING_BUFFERS, MAX_THREADS};
 pub use reader::{measure_read_bandwidth, DiskProbe};
-pub use transport::{Staging, Target, Transport, TransportStats};
+pub use transport::{Transport, TransportStats};

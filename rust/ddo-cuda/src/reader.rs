@@ -227,10 +227,10 @@ fn measure_in_windows(
     threads: usize,
     window: usize,
 ) -> Result<DiskProbe> {
-    if threads > crate::transport::MAX_THREADS {
+    if threads > crate::job::MAX_THREADS {
         return Err(CudaError::InvalidArgument(format!(
             "a disk probe uses at most {} reader threads, got {threads}",
-            crate::transport::MAX_THREADS
+            crate::job::MAX_THREADS
         )));
     }
     let file = ReadFile::open(path, true)?;

@@ -15,51 +15,21 @@
 //! thread sleeps until a read ends *or* a job arrives, and queues the chunks' uploads strictly in
 //! job order as their reads finish.
 //!
-//! Ordering: before a job's first upload the thread makes the copy stream wait for the slot's
-//! "consumed" event; a buffer is refilled only after (host side) its previous upload finished; each
-//! upload records the buffer's event, and a job's last one records the slot's "arrived" event. The
-//! compute stream never waits on the host.
+//! Ordering: every job is queued through [`crate::job::enqueue`], one part per ring buffer it
+//! passes through: the first part makes the copy stream wait for the slot's "consumed" event, each
+//! part records its buffer's upload, the last records the slot's "arrived" event. A buffer is
+//! refilled only after (host side) its previous upload finished. The compute stream never waits on
+//! the host.
 
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use ddo_core::ReadChunk;
-
 use crate::driver::make_current;
 use crate::error::{CudaError, Result};
-use crate::event::Event;
 use crate::host::{copy_host, HostBuffer};
-use crate::reader::ReadFile;
+use crate::job::{enqueue, FileUnit, Job, Lane, Part, Source, Span, Staging, Target};
 use crate::readpool::{ChunkRead, ReadPool, Wake};
-use crate::transport::{h2d_async, SlotEvents, Staging, Target};
-
-/// A unit streamed from files: its read plan, each chunk with the file it reads.
-#[derive(Debug)]
-pub(crate) struct FileUnit {
-    pub chunks: Vec<(Arc<ReadFile>, ReadChunk)>,
-    /// Bytes copied into the slot per fetch.
-    pub copy_bytes: u64,
-    /// Bytes read from disk per fetch (with alignment padding).
-    pub read_bytes: u64,
-    /// Bytes of the slot the unit writes: the end of its farthest piece.
-    pub span: usize,
-}
-
-#[derive(Debug, Clone)]
-pub(crate) enum Source {
-    /// `n` bytes at host address `src`.
-    Host { src: usize, n: usize },
-    /// A unit read from its files.
-    File(Arc<FileUnit>),
-}
-
-#[derive(Debug, Clone)]
-pub(crate) struct Job {
-    pub slot: usize,
-    pub dst: usize,
-    pub source: Source,
-}
 
 #[derive(Default)]
 struct State {
@@ -83,33 +53,25 @@ pub(crate) struct Stager {
 
 struct Ring {
     buffers: Vec<HostBuffer>,
-    /// One event per buffer on the CUDA target: its last upload.
-    uploaded: Vec<Event>,
     next: usize,
     /// Host-address jobs pass through the ring (pageable sources); else straight to the slot.
     stage_host: bool,
 }
 
 impl Ring {
-    /// The next buffer, once its previous upload has finished.
-    fn take(&mut self) -> Result<usize> {
+    /// The next buffer, once its previous upload (ordered by `lane`) has finished.
+    fn take(&mut self, lane: &dyn Lane) -> Result<usize> {
         let b = self.next;
         self.next = (self.next + 1) % self.buffers.len();
-        if let Some(ev) = self.uploaded.get(b) {
-            ev.synchronize()?;
-        }
+        lane.wait_uploaded(b)?;
         Ok(b)
     }
 }
 
 impl Stager {
     /// Allocates the ring on the calling thread (whose current context is the target's) and starts
-    /// the worker thread.
-    pub fn start(
-        target: Target,
-        events: Option<Arc<SlotEvents>>,
-        staging: Staging,
-    ) -> Result<Self> {
+    /// the worker thread, which queues every job on `lane` (whose events include one per buffer).
+    pub fn start(target: Target, lane: Arc<dyn Lane>, staging: Staging) -> Result<Self> {
         if staging.buffers == 0 || staging.buffer_bytes == 0 {
             return Err(CudaError::InvalidArgument(format!(
                 "a staging ring needs at least one buffer of at least one byte, got {} x {} bytes",
@@ -118,19 +80,14 @@ impl Stager {
         }
         let cuda = matches!(target, Target::Cuda { .. });
         let mut buffers = Vec::with_capacity(staging.buffers);
-        let mut uploaded = Vec::new();
         for _ in 0..staging.buffers {
             buffers.push(HostBuffer::new(
                 staging.buffer_bytes,
                 cuda && staging.pinned,
             )?);
-            if cuda {
-                uploaded.push(Event::new()?);
-            }
         }
         let ring = Ring {
             buffers,
-            uploaded,
             next: 0,
             stage_host: staging.stage_host,
         };
@@ -146,7 +103,7 @@ impl Stager {
         let worker_wake = Arc::clone(&wake);
         let thread = std::thread::Builder::new()
             .name("ddo-stager".into())
-            .spawn(move || worker(target, events, ring, pool, rx, worker_shared, worker_wake))
+            .spawn(move || worker(target, lane, ring, pool, rx, worker_shared, worker_wake))
             .map_err(|e| CudaError::Staging(format!("cannot start the staging thread: {e}")))?;
         Ok(Self {
             tx: Some(tx),
@@ -213,8 +170,7 @@ impl Drop for Stager {
 enum Step {
     /// Chunk `index` of a file job, being read into ring buffer `buffer`.
     Chunk {
-        slot: usize,
-        dst: usize,
+        job: Job,
         unit: Arc<FileUnit>,
         index: usize,
         buffer: usize,
@@ -228,8 +184,7 @@ enum Step {
 /// job boundaries, so the disk always has the reader pool's worth of reads queued; their uploads
 /// are queued in order as the reads finish.
 struct Pipeline {
-    target: Target,
-    events: Option<Arc<SlotEvents>>,
+    lane: Arc<dyn Lane>,
     /// File reads, started with the first file chunk; dropped (joined) before the ring.
     reads: Option<ReadPool>,
     wake: Arc<Wake>,
@@ -244,47 +199,6 @@ struct Pipeline {
 }
 
 impl Pipeline {
-    fn stream(&self) -> Option<crate::driver::Stream> {
-        match self.target {
-            Target::Cuda { copy_stream, .. } => Some(copy_stream),
-            Target::Cpu => None,
-        }
-    }
-
-    /// Copies `len` bytes from host address `src` into the slot at `dst`: queued on the copy
-    /// stream (CUDA) or done now (CPU).
-    fn put(&self, dst: usize, src: usize, len: usize) -> Result<()> {
-        match self.stream() {
-            Some(s) => h2d_async(dst, src, len, s),
-            None => {
-                copy_host(dst, src, len);
-                Ok(())
-            }
-        }
-    }
-
-    /// Makes the copy stream wait until the slot's previous unit was consumed.
-    fn wait_consumed(&self, slot: usize) -> Result<()> {
-        match (self.stream(), self.events.as_deref()) {
-            (Some(s), Some(ev)) => ev.consumed[slot].wait_on(s),
-            _ => Ok(()),
-        }
-    }
-
-    fn record_arrived(&self, slot: usize) -> Result<()> {
-        match (self.stream(), self.events.as_deref()) {
-            (Some(s), Some(ev)) => ev.arrived[slot].record(s),
-            _ => Ok(()),
-        }
-    }
-
-    fn record_uploaded(&self, buffer: usize) -> Result<()> {
-        match (self.stream(), self.ring.uploaded.get(buffer)) {
-            (Some(s), Some(ev)) => ev.record(s),
-            _ => Ok(()),
-        }
-    }
-
     fn idle(&self) -> bool {
         self.steps.is_empty() && self.cursor.is_none()
     }
@@ -347,9 +261,7 @@ impl Pipeline {
                 )));
             }
             // The buffer's previous upload must have left it before the reads overwrite it.
-            if let Some(ev) = self.ring.uploaded.get(buffer) {
-                ev.synchronize()?;
-            }
+            self.lane.wait_uploaded(buffer)?;
             self.free.pop_front();
             if self.reads.is_none() {
                 // as many readers as the ring's copy threads (the preset's staging threads)
@@ -368,8 +280,7 @@ impl Pipeline {
             });
             let read = read.expect("the reader pool was just started");
             self.steps.push_back(Step::Chunk {
-                slot: job.slot,
-                dst: job.dst,
+                job: job.clone(),
                 unit: Arc::clone(&unit),
                 index,
                 buffer,
@@ -402,8 +313,7 @@ impl Pipeline {
                 Ok(true)
             }
             Step::Chunk {
-                slot,
-                dst,
+                job,
                 unit,
                 index,
                 buffer,
@@ -412,52 +322,77 @@ impl Pipeline {
                 read.wait();
                 self.free.push_back(buffer);
                 read.result()?;
-                if index == 0 {
-                    self.wait_consumed(slot)?;
-                }
-                let src = self.ring.buffers[buffer].ptr();
-                let queued = unit.chunks[index].1.copies.iter().try_for_each(|c| {
-                    self.put(
-                        dst + c.dst as usize,
-                        src + c.buf_off as usize,
-                        c.len as usize,
-                    )
-                });
-                // Recorded even after a failed copy: the copies queued before it still read the
-                // buffer, and shutdown waits on this event before the ring is unmapped.
-                let recorded = self.record_uploaded(buffer);
-                queued?;
-                recorded?;
                 let last = index + 1 == unit.chunks.len();
-                if last {
-                    self.record_arrived(slot)?;
-                }
+                let part = Part {
+                    job: &job,
+                    first: index == 0,
+                    last,
+                    buffer: Some(buffer),
+                };
+                let src = self.ring.buffers[buffer].ptr();
+                let copies = unit.chunks[index].1.copies.iter().map(|c| Span {
+                    offset: c.dst as usize,
+                    src: src + c.buf_off as usize,
+                    len: c.len as usize,
+                });
+                // SAFETY: the chunk's reads into the buffer are done and the buffer stays mapped
+                // until its upload is waited for (`take`, `start_reads`, shutdown); the copies were
+                // planned inside the chunk and inside the unit's span, which `fetch_file`'s caller
+                // guarantees `dst` holds until the copies completed.
+                unsafe { enqueue(&*self.lane, part, copies) }?;
                 Ok(last)
             }
         }
     }
 
     fn run_whole(&mut self, job: &Job) -> Result<()> {
-        self.wait_consumed(job.slot)?;
-        match &job.source {
-            &Source::Host { src, n } if !self.ring.stage_host => self.put(job.dst, src, n)?,
-            &Source::Host { src, n } => {
+        let lane = &*self.lane;
+        match job.source {
+            Source::Host { src, n } if self.ring.stage_host => {
+                if n == 0 {
+                    // SAFETY: no copy.
+                    return unsafe { enqueue(lane, Part::whole(job), []) };
+                }
                 // No chunk is queued (reads_blocked), so every buffer is free for this job.
                 let mut off = 0usize;
                 while off < n {
-                    let b = self.ring.take()?;
+                    let b = self.ring.take(lane)?;
                     let buf = &self.ring.buffers[b];
                     let len = buf.len().min(n - off);
-                    self.pool.install(|| copy_host(buf.ptr(), src + off, len));
-                    let queued = self.put(job.dst + off, buf.ptr(), len);
-                    self.record_uploaded(b)?;
-                    queued?;
+                    // SAFETY: `fetch`'s caller guarantees `src` holds `n` live bytes; the buffer's
+                    // previous upload has finished (`take`) and it holds at least `len` bytes.
+                    self.pool
+                        .install(|| unsafe { copy_host(buf.ptr(), src + off, len) });
+                    let part = Part {
+                        job,
+                        first: off == 0,
+                        last: off + len == n,
+                        buffer: Some(b),
+                    };
+                    let copy = Span {
+                        offset: off,
+                        src: buf.ptr(),
+                        len,
+                    };
+                    // SAFETY: the buffer stays mapped until its upload is waited for; `dst` holds
+                    // `n` bytes until the copies completed (`fetch`'s contract).
+                    unsafe { enqueue(lane, part, [copy]) }?;
                     off += len;
                 }
+                Ok(())
             }
-            Source::File(_) => {} // a unit without bytes
+            Source::Host { src, n } => {
+                let copy = Span {
+                    offset: 0,
+                    src,
+                    len: n,
+                };
+                // SAFETY: `fetch`'s caller guarantees both ranges until the copy completed.
+                unsafe { enqueue(lane, Part::whole(job), [copy]) }
+            }
+            // SAFETY: no copy (a unit without bytes).
+            Source::File(_) => unsafe { enqueue(lane, Part::whole(job), []) },
         }
-        self.record_arrived(job.slot)
     }
 
     /// After an error: waits for every read in flight (they write into the ring) and drops the
@@ -487,7 +422,7 @@ fn publish(shared: &Shared, done: u64, failed: &Option<CudaError>) {
 
 fn worker(
     target: Target,
-    events: Option<Arc<SlotEvents>>,
+    lane: Arc<dyn Lane>,
     ring: Ring,
     pool: rayon::ThreadPool,
     rx: mpsc::Receiver<Job>,
@@ -501,8 +436,7 @@ fn worker(
     let mut failed = setup.err();
     let free = (0..ring.buffers.len()).collect();
     let mut p = Pipeline {
-        target,
-        events,
+        lane,
         reads: None,
         wake: Arc::clone(&wake),
         ring,
@@ -557,10 +491,11 @@ fn worker(
             publish(&shared, received, &failed);
         }
     }
-    drop(p.reads.take()); // every queued read has ended (abandon waited): join the readers
-                          // Uploads from the ring may still be in flight: finish them before the buffers are unmapped.
-    for ev in &p.ring.uploaded {
-        if let Err(e) = ev.synchronize() {
+    // Every queued read has ended (abandon waited): join the readers.
+    drop(p.reads.take());
+    // Uploads from the ring may still be in flight: finish them before the buffers are unmapped.
+    for b in 0..p.ring.buffers.len() {
+        if let Err(e) = p.lane.wait_uploaded(b) {
             tracing::warn!("waiting for staging uploads at shutdown: {e}");
         }
     }

@@ -1,45 +1,24 @@
 //! The transport of one offloaded component: K GPU (or host) slots, the copies that fill them and
 //! the events that order those copies against compute.
 //!
-//! Per slot `s` there are two events. `arrived[s]` is recorded on the copy stream after a unit's
-//! bytes were queued into the slot; compute waits on it (GPU side). `consumed[s]` is recorded on the
-//! compute stream after the unit ran; the next copy into the slot waits on it (GPU side). The host
-//! never synchronises the device in the steady state.
+//! Per slot `s` there are two events (see [`crate::job::SlotEvents`]): compute waits on `arrived[s]`
+//! before it reads the slot, the next copy into the slot waits on `consumed[s]`. The host never
+//! synchronises the device in the steady state. Without a staging ring a fetch is enqueued here, on
+//! the caller's thread; with one, the ring's thread enqueues it ([`crate::stager`]); both go
+//! through [`crate::job::enqueue`].
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::sys;
-
-use crate::driver::{bind_context, check, ContextGuard, Stream};
+use crate::driver::{bind_context, ContextGuard, Stream};
 use crate::error::{CudaError, Result};
-use crate::event::Event;
+use crate::job::{
+    check_config, enqueue, CpuLane, CudaLane, FileUnit, Job, Lane, Part, Sink, Source, Span,
+    Staging, Target,
+};
 use crate::reader::{ReadFile, ALIGN};
-use crate::stager::{FileUnit, Job, Source, Stager};
-
-/// Where the slots live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Target {
-    /// Slots in ordinary host memory; copies are memcpy and complete before `fetch` returns.
-    Cpu,
-    /// Slots on CUDA device `ordinal`; copies are queued on `copy_stream` (a stream PyTorch owns).
-    Cuda { ordinal: usize, copy_stream: Stream },
-}
-
-/// A bounded ring of staging buffers for sources that are not page-locked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Staging {
-    pub buffers: usize,
-    pub buffer_bytes: usize,
-    /// Threads filling one buffer (pageable-to-pinned copies need several to reach the link).
-    pub threads: usize,
-    /// Page-lock the ring's buffers (always on the CUDA target unless a preset forbids it).
-    pub pinned: bool,
-    /// Pass host-address sources through the ring (they are pageable). When false they are
-    /// page-locked and copied straight into the slot, in order with the file jobs (NVMe route).
-    pub stage_host: bool,
-}
+use crate::stager::Stager;
 
 /// Counters a report reads.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -53,15 +32,10 @@ pub struct TransportStats {
     pub disk_bytes: u64,
 }
 
-pub(crate) struct SlotEvents {
-    pub arrived: Vec<Event>,
-    pub consumed: Vec<Event>,
-}
-
 pub struct Transport {
     target: Target,
     slots: usize,
-    events: Option<Arc<SlotEvents>>,
+    lane: Arc<dyn Lane>,
     stager: Option<Stager>,
     staging: Option<Staging>,
     /// Staging job sequence number of the last fetch into each slot.
@@ -76,34 +50,42 @@ impl Transport {
     /// the events are created; without a driver this fails with [`CudaError::NotAvailable`].
     pub fn new(target: Target, slots: usize, staging: Option<Staging>) -> Result<Self> {
         check_config(slots, staging.as_ref())?;
-        let mut pending = Vec::new();
-        pending
-            .try_reserve_exact(slots)
-            .map_err(|_| CudaError::OutOfMemory(format!("listing {slots} slots")))?;
-        pending.resize(slots, 0);
         // Events and the staging ring's page-locked buffers are created in the target's context.
         let _ctx = match target {
             Target::Cuda { ordinal, .. } => Some(bind_context(ordinal)?),
             Target::Cpu => None,
         };
-        let events = match target {
-            Target::Cuda { .. } => {
-                let mk = || (0..slots).map(|_| Event::new()).collect::<Result<Vec<_>>>();
-                Some(Arc::new(SlotEvents {
-                    arrived: mk()?,
-                    consumed: mk()?,
-                }))
+        let lane: Arc<dyn Lane> = match target {
+            Target::Cuda { copy_stream, .. } => {
+                let buffers = staging.map_or(0, |s| s.buffers);
+                Arc::new(CudaLane::new(copy_stream, slots, buffers)?)
             }
-            Target::Cpu => None,
+            Target::Cpu => Arc::new(CpuLane),
         };
+        Self::with_lane(target, slots, staging, lane)
+    }
+
+    /// [`Transport::new`] on a given lane (tests record what the lane is asked for).
+    pub(crate) fn with_lane(
+        target: Target,
+        slots: usize,
+        staging: Option<Staging>,
+        lane: Arc<dyn Lane>,
+    ) -> Result<Self> {
+        check_config(slots, staging.as_ref())?;
+        let mut pending = Vec::new();
+        pending
+            .try_reserve_exact(slots)
+            .map_err(|_| CudaError::OutOfMemory(format!("listing {slots} slots")))?;
+        pending.resize(slots, 0);
         let stager = match staging {
-            Some(cfg) => Some(Stager::start(target, events.clone(), cfg)?),
+            Some(cfg) => Some(Stager::start(target, Arc::clone(&lane), cfg)?),
             None => None,
         };
         Ok(Self {
             target,
             slots,
-            events,
+            lane,
             stager,
             staging,
             pending,
@@ -141,32 +123,32 @@ impl Transport {
 
     /// Starts filling `slot` (at address `dst`) with `n` bytes from host address `src`, after the
     /// slot's previous unit was consumed. Returns without waiting for the copy.
-    pub fn fetch(&mut self, slot: usize, dst: usize, src: usize, n: usize) -> Result<()> {
+    ///
+    /// # Safety
+    /// `src` is `n` readable host bytes and `dst` is `n` writable bytes of the target's memory (a
+    /// device address of the target's context on the CUDA target, host memory on the CPU target),
+    /// disjoint. Both stay allocated, `src` unmodified and `dst` untouched by anyone else, until
+    /// the copy completed: until [`Transport::drain`] returns (or, for `dst`, until work ordered
+    /// after [`Transport::acquire`] of the slot reads it).
+    pub unsafe fn fetch(&mut self, slot: usize, dst: usize, src: usize, n: usize) -> Result<()> {
         self.check_slot(slot)?;
         crate::host::check_host_range("fetch destination", dst, n)?;
         crate::host::check_host_range("fetch source", src, n)?;
         self.stats.fetches += 1;
         self.stats.bytes = self.stats.bytes.saturating_add(n as u64);
+        let job = Job::new(Source::Host { src, n }, Sink::Slot { slot, dst });
         if let Some(stager) = self.stager.as_mut() {
-            self.pending[slot] = stager.submit(Job {
-                slot,
-                dst,
-                source: Source::Host { src, n },
-            })?;
+            self.pending[slot] = stager.submit(job)?;
             return Ok(());
         }
-        match (self.target, self.events.as_deref()) {
-            (Target::Cuda { copy_stream, .. }, Some(ev)) => {
-                let _ctx = self.bind()?;
-                ev.consumed[slot].wait_on(copy_stream)?;
-                h2d_async(dst, src, n, copy_stream)?;
-                ev.arrived[slot].record(copy_stream)
-            }
-            _ => {
-                crate::host::copy_host(dst, src, n);
-                Ok(())
-            }
-        }
+        let _ctx = self.bind()?;
+        let copy = Span {
+            offset: 0,
+            src,
+            len: n,
+        };
+        // SAFETY: the caller upholds this function's contract, which is the copy's.
+        unsafe { enqueue(&*self.lane, Part::whole(&job), [copy]) }
     }
 
     /// Opens a weight file for [`Transport::add_file_unit`]; returns its index. `O_DIRECT` is used
@@ -238,7 +220,12 @@ impl Transport {
 
     /// Starts filling `slot` (at address `dst`) with file unit `unit`, read from disk through the
     /// staging ring, after the slot's previous unit was consumed. Returns without waiting.
-    pub fn fetch_file(&mut self, slot: usize, dst: usize, unit: usize) -> Result<()> {
+    ///
+    /// # Safety
+    /// `dst` is writable memory of the target (as for [`Transport::fetch`]) holding the unit's
+    /// span (the end of its farthest piece), allocated and untouched by anyone else until the
+    /// copies completed ([`Transport::drain`]).
+    pub unsafe fn fetch_file(&mut self, slot: usize, dst: usize, unit: usize) -> Result<()> {
         self.check_slot(slot)?;
         let fu = self.file_units.get(unit).cloned().ok_or_else(|| {
             CudaError::InvalidArgument(format!(
@@ -254,11 +241,7 @@ impl Transport {
         self.stats.bytes = self.stats.bytes.saturating_add(fu.copy_bytes);
         self.stats.file_fetches += 1;
         self.stats.disk_bytes = self.stats.disk_bytes.saturating_add(fu.read_bytes);
-        self.pending[slot] = stager.submit(Job {
-            slot,
-            dst,
-            source: Source::File(fu),
-        })?;
+        self.pending[slot] = stager.submit(Job::new(Source::File(fu), Sink::Slot { slot, dst }))?;
         Ok(())
     }
 
@@ -271,21 +254,15 @@ impl Transport {
             let waited = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
             self.stats.host_wait_ns = self.stats.host_wait_ns.saturating_add(waited);
         }
-        if let Some(ev) = self.events.as_deref() {
-            let _ctx = self.bind()?;
-            ev.arrived[slot].wait_on(compute_stream)?;
-        }
-        Ok(())
+        let _ctx = self.bind()?;
+        self.lane.acquire(slot, compute_stream)
     }
 
     /// Marks `slot` as consumed by the work queued so far on `compute_stream`.
     pub fn release(&mut self, slot: usize, compute_stream: Stream) -> Result<()> {
         self.check_slot(slot)?;
-        if let Some(ev) = self.events.as_deref() {
-            let _ctx = self.bind()?;
-            ev.consumed[slot].record(compute_stream)?;
-        }
-        Ok(())
+        let _ctx = self.bind()?;
+        self.lane.release(slot, compute_stream)
     }
 
     /// Blocks until every fetch issued so far has completed (used before slots or sources are freed).
@@ -295,76 +272,10 @@ impl Transport {
             Some(stager) => stager.wait_all(),
             None => Ok(()),
         };
-        if let Target::Cuda { copy_stream, .. } = self.target {
-            let _ctx = self.bind()?;
-            // SAFETY: the stream handle is owned by PyTorch and alive while the transport is.
-            check(
-                unsafe { sys::cuStreamSynchronize(copy_stream.raw()) },
-                "cuStreamSynchronize",
-                "draining copies",
-            )?;
-        }
+        let _ctx = self.bind()?;
+        self.lane.synchronize()?;
         staged
     }
-}
-
-/// Most staging buffers and most threads per ring (presets use a few of each).
-pub const MAX_STAGING_BUFFERS: usize = 1024;
-pub const MAX_THREADS: usize = 1024;
-
-/// Checks the slot count and the staging ring's shape before anything is allocated: a count or a
-/// size from a caller must not reach an allocation that aborts the process.
-fn check_config(slots: usize, staging: Option<&Staging>) -> Result<()> {
-    let bad = |msg: String| Err(CudaError::InvalidArgument(msg));
-    let max_slots = ddo_core::MAX_SLOTS;
-    if !(1..=max_slots).contains(&slots) {
-        return bad(format!(
-            "a transport has 1 to {max_slots} slots, got {slots} (the planner's plan says how many)"
-        ));
-    }
-    let Some(st) = staging else {
-        return Ok(());
-    };
-    if !(1..=MAX_STAGING_BUFFERS).contains(&st.buffers) {
-        return bad(format!(
-            "a staging ring has 1 to {MAX_STAGING_BUFFERS} buffers, got {}",
-            st.buffers
-        ));
-    }
-    if st.threads > MAX_THREADS {
-        return bad(format!(
-            "a staging ring uses at most {MAX_THREADS} threads, got {}",
-            st.threads
-        ));
-    }
-    let total = st.buffers.checked_mul(st.buffer_bytes);
-    if st.buffer_bytes == 0 || total.is_none_or(|t| t > isize::MAX as usize) {
-        return bad(format!(
-            "a staging ring of {} buffers of {} bytes: each buffer needs at least one byte and \
-             the ring must fit in memory (a few buffers of 64 MiB are usual)",
-            st.buffers, st.buffer_bytes
-        ));
-    }
-    Ok(())
-}
-
-/// Queues an asynchronous host-to-device copy on `stream`.
-pub(crate) fn h2d_async(dst: usize, src: usize, n: usize, stream: Stream) -> Result<()> {
-    // SAFETY: the caller guarantees `src` is `n` live host bytes (page-locked for a truly async copy)
-    // and `dst` is `n` bytes of device memory that stay allocated until the copy completes.
-    let code = unsafe {
-        sys::cuMemcpyHtoDAsync_v2(
-            dst as sys::CUdeviceptr,
-            src as *const std::ffi::c_void,
-            n,
-            stream.raw(),
-        )
-    };
-    check(
-        code,
-        "cuMemcpyHtoDAsync",
-        &format!("copying {n} bytes to the GPU"),
-    )
 }
 
 #[cfg(test)]
@@ -379,13 +290,10 @@ mod tests {
         let mut slots = vec![vec![0u8; 100_003]; 2];
         for (u, src) in srcs.iter().enumerate() {
             let s = u % 2;
-            t.fetch(
-                s,
-                slots[s].as_mut_ptr() as usize,
-                src.as_ptr() as usize,
-                src.len(),
-            )
-            .unwrap();
+            let dst = slots[s].as_mut_ptr() as usize;
+            // SAFETY: the slot and the source are live vectors of `src.len()` bytes, kept past
+            // the drain.
+            unsafe { t.fetch(s, dst, src.as_ptr() as usize, src.len()) }.unwrap();
             t.acquire(s, Stream(0)).unwrap();
             assert_eq!(&slots[s], src, "unit {u}");
             t.release(s, Stream(0)).unwrap();
@@ -475,9 +383,12 @@ mod tests {
         for round in 0..3 {
             let s = round % 2;
             let dst = slots[s].as_mut_ptr() as usize;
-            t.fetch_file(s, dst, u0).unwrap();
-            t.fetch_file(1 - s, slots[1 - s].as_mut_ptr() as usize, u1)
-                .unwrap();
+            let other = slots[1 - s].as_mut_ptr() as usize;
+            // SAFETY: both slots are live 100 000-byte vectors (more than either unit's span),
+            // kept past the drain.
+            unsafe { t.fetch_file(s, dst, u0) }.unwrap();
+            // SAFETY: as above.
+            unsafe { t.fetch_file(1 - s, other, u1) }.unwrap();
             t.acquire(s, Stream(0)).unwrap();
             t.acquire(1 - s, Stream(0)).unwrap();
             assert_eq!(&slots[s][..10_000], &data[0][7..10_007]);
@@ -487,7 +398,8 @@ mod tests {
             t.release(s, Stream(0)).unwrap();
             t.release(1 - s, Stream(0)).unwrap();
             // host (RAM-cache) sources interleave with file sources
-            t.fetch(s, dst, host.as_ptr() as usize, host.len()).unwrap();
+            // SAFETY: the slot holds 100 000 bytes, `host` 5000; both live past the drain.
+            unsafe { t.fetch(s, dst, host.as_ptr() as usize, host.len()) }.unwrap();
             t.acquire(s, Stream(0)).unwrap();
             assert_eq!(&slots[s][..5000], &host[..]);
             t.release(s, Stream(0)).unwrap();
@@ -497,7 +409,8 @@ mod tests {
         assert!(t.stats().disk_bytes >= 3 * (60_999 + 100_000));
         // truncating a file makes the next read of it a read error
         std::fs::write(dir.join("1.bin"), &data[1][..1000]).unwrap();
-        t.fetch_file(0, slots[0].as_mut_ptr() as usize, u1).unwrap();
+        // SAFETY: the slot is a live 100 000-byte vector, kept past the transport.
+        unsafe { t.fetch_file(0, slots[0].as_mut_ptr() as usize, u1) }.unwrap();
         let err = t.acquire(0, Stream(0)).unwrap_err();
         assert!(matches!(err, CudaError::Read(_)), "{err}");
         assert!(err.to_string().contains("1.bin"), "{err}");
@@ -572,10 +485,13 @@ mod tests {
                 }
                 let dst = slots[s].as_mut_ptr() as usize;
                 if (k + round) % 5 == 0 {
-                    t.fetch(s, dst, host.as_ptr() as usize, host.len()).unwrap();
+                    // SAFETY: the slot holds 80 000 bytes, `host` 50 000; both outlive the drain.
+                    unsafe { t.fetch(s, dst, host.as_ptr() as usize, host.len()) }.unwrap();
                     jobs.push((s, &host[..]));
                 } else {
-                    t.fetch_file(s, dst, id).unwrap();
+                    // SAFETY: the slot holds 80 000 bytes (more than any unit's span), kept past
+                    // the drain.
+                    unsafe { t.fetch_file(s, dst, id) }.unwrap();
                     jobs.push((s, &data[off as usize..off as usize + len]));
                 }
             }
@@ -589,8 +505,9 @@ mod tests {
         // an error in the middle of a queue of jobs fails the waits and the drain, never hangs
         std::fs::write(&path, &data[..100_000]).unwrap();
         for s in 0..slots_n {
-            t.fetch_file(s, slots[s].as_mut_ptr() as usize, units[s].0)
-                .unwrap();
+            let dst = slots[s].as_mut_ptr() as usize;
+            // SAFETY: as above.
+            unsafe { t.fetch_file(s, dst, units[s].0) }.unwrap();
         }
         let err = t.acquire(slots_n - 1, Stream(0)).unwrap_err();
         assert!(err.to_string().contains("w.bin"), "{err}");
@@ -609,11 +526,113 @@ mod tests {
         read_ahead(true);
     }
 
+    /// Every job, direct or through the ring, follows the one sequence of `job::enqueue`: the
+    /// lane sees, job after job in submission order, the slot's wait, copies into that slot only
+    /// (each staging buffer's upload recorded after the copies out of it), then its arrival.
+    #[test]
+    fn every_job_follows_the_one_sequence() {
+        use crate::job::tests::{Op, Recorder};
+        let dir = std::env::temp_dir().join(format!("ddo-sequence-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data: Vec<u8> = (0..400_000).map(|i| (i * 17 % 253) as u8).collect();
+        let path = dir.join("w.bin");
+        std::fs::write(&path, &data).unwrap();
+        let host: Vec<u8> = (0..30_000).map(|i| (i % 11) as u8).collect();
+        let ring = |stage_host| Staging {
+            buffers: 2,
+            buffer_bytes: 4 * 4096,
+            threads: 2,
+            pinned: false,
+            stage_host,
+        };
+        for staging in [None, Some(ring(false)), Some(ring(true))] {
+            let rec = Arc::new(Recorder::default());
+            let lane: Arc<dyn Lane> = rec.clone();
+            let mut t = Transport::with_lane(Target::Cpu, 3, staging, lane).unwrap();
+            let file = staging.map(|_| {
+                t.open_file(&path, true).unwrap();
+                let piece = |offset, len, dst| ddo_core::ReadPiece {
+                    file: 0,
+                    offset,
+                    len,
+                    dst,
+                };
+                // 3 chunks of one buffer each, two pieces
+                t.add_file_unit(&[piece(5, 20_000, 0), piece(30_000, 15_000, 20_480)], 0)
+                    .unwrap()
+            });
+            let mut slots = vec![vec![0u8; 40_000]; 3];
+            let ranges: Vec<(usize, usize)> = slots
+                .iter_mut()
+                .map(|v| (v.as_mut_ptr() as usize, v.len()))
+                .collect();
+            let mut order = Vec::new();
+            // per job: whether its copies read staging buffers (file units, staged host sources)
+            let mut buffered = Vec::new();
+            for k in 0..9 {
+                let s = k % 3;
+                if k >= 3 {
+                    t.acquire(s, Stream(0)).unwrap();
+                    t.release(s, Stream(0)).unwrap();
+                }
+                match file {
+                    Some(u) if k % 2 == 0 => {
+                        // SAFETY: the slot holds 40 000 bytes, more than the unit's span; it
+                        // outlives the drain.
+                        unsafe { t.fetch_file(s, ranges[s].0, u) }.unwrap();
+                    }
+                    _ => {
+                        // SAFETY: the slot holds 40 000 bytes, `host` 30 000; both outlive the drain.
+                        unsafe { t.fetch(s, ranges[s].0, host.as_ptr() as usize, host.len()) }
+                            .unwrap();
+                    }
+                }
+                order.push(s);
+                buffered
+                    .push((file.is_some() && k % 2 == 0) || staging.is_some_and(|r| r.stage_host));
+            }
+            t.drain().unwrap();
+            let mut open: Option<usize> = None;
+            let mut arrived = Vec::new();
+            let mut unrecorded_copies = 0;
+            for op in rec.ops() {
+                match (op, open) {
+                    (Op::WaitUploaded(_), _) => {}
+                    (Op::Wait(s), None) => open = Some(s),
+                    (Op::Copy { dst, n, .. }, Some(s)) => {
+                        let (base, len) = ranges[s];
+                        assert!(
+                            dst >= base && dst + n <= base + len,
+                            "{op:?} outside slot {s}"
+                        );
+                        unrecorded_copies += 1;
+                    }
+                    (Op::Uploaded(_), Some(_)) => unrecorded_copies = 0,
+                    (Op::Arrived(s), Some(o)) if s == o => {
+                        // a buffer's record follows the copies out of it; a straight host job
+                        // is one copy and reads no buffer
+                        let want = if buffered[arrived.len()] { 0 } else { 1 };
+                        assert_eq!(unrecorded_copies, want, "{staging:?}");
+                        unrecorded_copies = 0;
+                        arrived.push(s);
+                        open = None;
+                    }
+                    (op, open) => panic!("{op:?} while job of slot {open:?} is open ({staging:?})"),
+                }
+            }
+            assert_eq!(open, None);
+            assert_eq!(arrived, order, "{staging:?}");
+            drop(t);
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn file_units_need_a_ring_and_valid_indices() {
         let mut t = Transport::new(Target::Cpu, 2, None).unwrap();
         assert!(t.add_file_unit(&[], 0).is_err());
-        assert!(t.fetch_file(0, 0, 0).is_err());
+        // SAFETY: refused before any copy (no unit, no ring).
+        assert!(unsafe { t.fetch_file(0, 0, 0) }.is_err());
     }
 
     #[test]
@@ -647,11 +666,11 @@ mod tests {
         }
         let mut t = Transport::new(Target::Cpu, 2, Some(ring(2, 4096, 1))).unwrap();
         let src = [1u8; 16];
-        let err = t.fetch(0, 0, src.as_ptr() as usize, 16).unwrap_err();
+        // SAFETY: refused before any copy (a null destination).
+        let err = unsafe { t.fetch(0, 0, src.as_ptr() as usize, 16) }.unwrap_err();
         assert!(err.to_string().contains("null pointer"), "{err}");
-        let err = t
-            .fetch(0, usize::MAX - 8, src.as_ptr() as usize, 16)
-            .unwrap_err();
+        // SAFETY: refused before any copy (a destination past the end of the address space).
+        let err = unsafe { t.fetch(0, usize::MAX - 8, src.as_ptr() as usize, 16) }.unwrap_err();
         assert!(err.to_string().contains("past the end"), "{err}");
         assert_eq!(t.stats().fetches, 0);
     }

@@ -147,7 +147,11 @@ impl Transport {
         nbytes: usize,
     ) -> PyResult<()> {
         let t = self.get()?;
-        py.detach(|| t.fetch(slot, dst, src, nbytes))
+        // SAFETY: the Python engine passes the data pointers of a slot tensor (on the transport's
+        // device) and of a host slab tensor of at least `nbytes` each, disjoint, and keeps both
+        // tensors alive and untouched until it has acquired the slot and drained or closed the
+        // transport (streaming/engine.py); null and wrapping ranges are refused inside.
+        py.detach(|| unsafe { t.fetch(slot, dst, src, nbytes) })
             .map_err(cuda_err)
     }
 
@@ -194,7 +198,9 @@ impl Transport {
     /// Starts filling `slot` at `dst` with file unit `unit` (read by the staging thread).
     fn fetch_file(&mut self, py: Python<'_>, slot: usize, dst: usize, unit: usize) -> PyResult<()> {
         let t = self.get()?;
-        py.detach(|| t.fetch_file(slot, dst, unit))
+        // SAFETY: as for `fetch`: `dst` is a slot tensor's data pointer, sized for the largest
+        // unit (so for this unit's span), kept alive until the transport is drained or closed.
+        py.detach(|| unsafe { t.fetch_file(slot, dst, unit) })
             .map_err(cuda_err)
     }
 

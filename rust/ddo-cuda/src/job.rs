@@ -1,0 +1,648 @@
+//! One copy job and the one sequence every job follows, whatever its source and its sink:
+//!
+//! ```text
+//! wait consumed -> [pre-copy stage] -> copy(s) -> [post-copy stage] -> record arrived
+//! ```
+//!
+//! The transport's direct path and the staging ring both queue their copies through [`enqueue`].
+//! A job whose bytes come in pieces (a unit read from files chunk by chunk, a pageable source
+//! moved through the ring buffer by buffer) is enqueued as several [`Part`]s: the first waits for
+//! the slot and runs the pre-copy stage, the last runs the post-copy stage and records arrival.
+//!
+//! The device-side steps (events, the copy stream) belong to a [`Lane`]: [`CudaLane`] on a GPU,
+//! [`CpuLane`] for host slots (copies are `memcpy`, ordering is program order). Stages are hooks
+//! for the routes to come: a VMM sink maps its pages before the copies (pre-copy), a compressed
+//! source decodes after them (post-copy). None is used yet.
+//!
+//! This module imports neither the transport nor the stager: both import it.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use ddo_core::ReadChunk;
+
+use crate::driver::{check, Stream};
+use crate::error::{CudaError, Result};
+use crate::event::Event;
+use crate::reader::ReadFile;
+
+/// Where the slots live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// Slots in ordinary host memory; copies are memcpy and complete before `fetch` returns.
+    Cpu,
+    /// Slots on CUDA device `ordinal`; copies are queued on `copy_stream` (a stream PyTorch owns).
+    Cuda { ordinal: usize, copy_stream: Stream },
+}
+
+/// A bounded ring of staging buffers for sources that are not page-locked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Staging {
+    pub buffers: usize,
+    pub buffer_bytes: usize,
+    /// Threads filling one buffer (pageable-to-pinned copies need several to reach the link).
+    pub threads: usize,
+    /// Page-lock the ring's buffers (always on the CUDA target unless a preset forbids it).
+    pub pinned: bool,
+    /// Pass host-address sources through the ring (they are pageable). When false they are
+    /// page-locked and copied straight into the slot, in order with the file jobs (NVMe route).
+    pub stage_host: bool,
+}
+
+/// Most staging buffers and most threads per ring (presets use a few of each).
+pub const MAX_STAGING_BUFFERS: usize = 1024;
+pub const MAX_THREADS: usize = 1024;
+
+/// Checks the slot count and the staging ring's shape before anything is allocated: a count or a
+/// size from a caller must not reach an allocation that aborts the process.
+pub(crate) fn check_config(slots: usize, staging: Option<&Staging>) -> Result<()> {
+    let bad = |msg: String| Err(CudaError::InvalidArgument(msg));
+    let max_slots = ddo_core::MAX_SLOTS;
+    if !(1..=max_slots).contains(&slots) {
+        return bad(format!(
+            "a transport has 1 to {max_slots} slots, got {slots} (the planner's plan says how many)"
+        ));
+    }
+    let Some(st) = staging else {
+        return Ok(());
+    };
+    if !(1..=MAX_STAGING_BUFFERS).contains(&st.buffers) {
+        return bad(format!(
+            "a staging ring has 1 to {MAX_STAGING_BUFFERS} buffers, got {}",
+            st.buffers
+        ));
+    }
+    if st.threads > MAX_THREADS {
+        return bad(format!(
+            "a staging ring uses at most {MAX_THREADS} threads, got {}",
+            st.threads
+        ));
+    }
+    let total = st.buffers.checked_mul(st.buffer_bytes);
+    if st.buffer_bytes == 0 || total.is_none_or(|t| t > isize::MAX as usize) {
+        return bad(format!(
+            "a staging ring of {} buffers of {} bytes: each buffer needs at least one byte and \
+             the ring must fit in memory (a few buffers of 64 MiB are usual)",
+            st.buffers, st.buffer_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// A unit streamed from files: its read plan, each chunk with the file it reads.
+#[derive(Debug)]
+pub(crate) struct FileUnit {
+    pub chunks: Vec<(Arc<ReadFile>, ReadChunk)>,
+    /// Bytes copied into the slot per fetch.
+    pub copy_bytes: u64,
+    /// Bytes read from disk per fetch (with alignment padding).
+    pub read_bytes: u64,
+    /// Bytes of the slot the unit writes: the end of its farthest piece.
+    pub span: usize,
+}
+
+/// Where a job's bytes come from.
+#[derive(Debug, Clone)]
+pub(crate) enum Source {
+    /// `n` bytes at host address `src`.
+    Host { src: usize, n: usize },
+    /// A unit read from its files.
+    File(Arc<FileUnit>),
+    // Compressed { .. }: compressed bytes in host memory, decoded by a post-copy stage.
+}
+
+/// Where a job's bytes land.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sink {
+    /// Slot `slot` of the transport, at address `dst` (device memory on the CUDA target).
+    Slot { slot: usize, dst: usize },
+    // Vmm { .. }: pages of an arena, mapped by a pre-copy stage.
+}
+
+impl Sink {
+    /// The slot whose events order the job.
+    pub fn slot(&self) -> usize {
+        match *self {
+            Sink::Slot { slot, .. } => slot,
+        }
+    }
+
+    /// The address the job's copies are relative to.
+    pub fn addr(&self) -> usize {
+        match *self {
+            Sink::Slot { dst, .. } => dst,
+        }
+    }
+}
+
+/// Work a job queues before its copies (after the slot was consumed) or after them (before
+/// arrival is recorded): a VMM page map, a decode kernel. It runs on the thread that enqueues the
+/// job and queues its device work on `copy_stream` (`None` on the CPU target: work is done now).
+pub(crate) trait Stage: Send + Sync + std::fmt::Debug {
+    fn run(&self, copy_stream: Option<Stream>, sink: &Sink) -> Result<()>;
+}
+
+/// One fetch: a source, a sink and the optional stages around the copies.
+#[derive(Debug, Clone)]
+pub(crate) struct Job {
+    pub source: Source,
+    pub sink: Sink,
+    pub pre_copy: Option<Arc<dyn Stage>>,
+    pub post_copy: Option<Arc<dyn Stage>>,
+}
+
+impl Job {
+    /// A job with no stages (every route today).
+    pub fn new(source: Source, sink: Sink) -> Self {
+        Self {
+            source,
+            sink,
+            pre_copy: None,
+            post_copy: None,
+        }
+    }
+}
+
+/// `len` bytes from host address `src` to `offset` bytes into the job's sink.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub offset: usize,
+    pub src: usize,
+    pub len: usize,
+}
+
+/// The piece of a job that [`enqueue`] queues now.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Part<'a> {
+    pub job: &'a Job,
+    /// The job's first part: wait for the slot, then run the pre-copy stage.
+    pub first: bool,
+    /// The job's last part: run the post-copy stage, then record arrival.
+    pub last: bool,
+    /// The staging buffer the part's copies read: its upload is recorded after them.
+    pub buffer: Option<usize>,
+}
+
+impl<'a> Part<'a> {
+    /// A job queued in one go.
+    pub fn whole(job: &'a Job) -> Self {
+        Self {
+            job,
+            first: true,
+            last: true,
+            buffer: None,
+        }
+    }
+}
+
+/// The device side of one transport: how a copy is queued and how slots and staging buffers are
+/// ordered against it (copy side) and against compute (compute side).
+pub(crate) trait Lane: Send + Sync {
+    /// The stream copies are queued on (`None` on the CPU target: copies are done in place).
+    fn stream(&self) -> Option<Stream>;
+    /// Orders the copies queued next after the slot's last release (GPU side).
+    fn wait_consumed(&self, slot: usize) -> Result<()>;
+    /// Queues (CUDA) or runs (CPU) a copy of `n` bytes from host address `src` to `dst`.
+    ///
+    /// # Safety
+    /// `src` is `n` readable host bytes and `dst` is `n` writable bytes of the target's memory (a
+    /// device address on the CUDA target), disjoint, both allocated until the copy completed (the
+    /// job's arrival, [`Lane::synchronize`]) and not written by anyone else meanwhile.
+    unsafe fn copy(&self, dst: usize, src: usize, n: usize) -> Result<()>;
+    /// Marks the copies queued so far as the last ones reading staging buffer `buffer`.
+    fn record_uploaded(&self, buffer: usize) -> Result<()>;
+    /// Blocks the host until the uploads out of staging buffer `buffer` have completed.
+    fn wait_uploaded(&self, buffer: usize) -> Result<()>;
+    /// Marks the copies queued so far as the slot's contents.
+    fn record_arrived(&self, slot: usize) -> Result<()>;
+    /// Makes `compute` wait until the slot's contents have arrived (GPU side).
+    fn acquire(&self, slot: usize, compute: Stream) -> Result<()>;
+    /// Marks the slot as consumed by the work queued so far on `compute`.
+    fn release(&self, slot: usize, compute: Stream) -> Result<()>;
+    /// Blocks the host until every copy queued so far has completed.
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// Queues one part of a job: wait consumed -> [pre-copy stage] -> `copies` -> [post-copy stage]
+/// -> record arrived, the first two steps only in the job's first part, the last two only in its
+/// last. The staging buffer's upload is recorded after the copies even when one failed: the
+/// copies queued before it still read the buffer, and shutdown waits on that record before the
+/// ring is unmapped. Nothing after a failed step is queued.
+///
+/// # Safety
+/// Each copy reads `len` bytes at host address `src` and writes `len` bytes at
+/// `part.job.sink.addr() + offset`; both ranges must satisfy [`Lane::copy`]'s contract.
+pub(crate) unsafe fn enqueue(
+    lane: &dyn Lane,
+    part: Part<'_>,
+    copies: impl IntoIterator<Item = Span>,
+) -> Result<()> {
+    let job = part.job;
+    let slot = job.sink.slot();
+    if part.first {
+        lane.wait_consumed(slot)?;
+        if let Some(stage) = &job.pre_copy {
+            stage.run(lane.stream(), &job.sink)?;
+        }
+    }
+    let base = job.sink.addr();
+    let copied = copies.into_iter().try_for_each(|c| {
+        // SAFETY: the caller upholds `Lane::copy`'s contract for every copy of the part.
+        unsafe { lane.copy(base + c.offset, c.src, c.len) }
+    });
+    let recorded = part.buffer.map_or(Ok(()), |b| lane.record_uploaded(b));
+    copied?;
+    recorded?;
+    if part.last {
+        if let Some(stage) = &job.post_copy {
+            stage.run(lane.stream(), &job.sink)?;
+        }
+        lane.record_arrived(slot)?;
+    }
+    Ok(())
+}
+
+/// Host slots: copies are `memcpy` (in parallel on the calling thread's rayon pool when large) and
+/// complete before they return, so there is nothing to order.
+#[derive(Debug, Default)]
+pub(crate) struct CpuLane;
+
+impl Lane for CpuLane {
+    fn stream(&self) -> Option<Stream> {
+        None
+    }
+    fn wait_consumed(&self, _slot: usize) -> Result<()> {
+        Ok(())
+    }
+    unsafe fn copy(&self, dst: usize, src: usize, n: usize) -> Result<()> {
+        // SAFETY: the caller guarantees both ranges are live, `n` bytes long and disjoint.
+        unsafe { crate::host::copy_host(dst, src, n) };
+        Ok(())
+    }
+    fn record_uploaded(&self, _buffer: usize) -> Result<()> {
+        Ok(())
+    }
+    fn wait_uploaded(&self, _buffer: usize) -> Result<()> {
+        Ok(())
+    }
+    fn record_arrived(&self, _slot: usize) -> Result<()> {
+        Ok(())
+    }
+    fn acquire(&self, _slot: usize, _compute: Stream) -> Result<()> {
+        Ok(())
+    }
+    fn release(&self, _slot: usize, _compute: Stream) -> Result<()> {
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The two events of each slot. `arrived[s]` is recorded on the copy stream after a unit's bytes
+/// were queued into slot `s`; compute waits on it. `consumed[s]` is recorded on the compute stream
+/// after the unit ran; the next copy into the slot waits on it. The host never waits for either.
+pub(crate) struct SlotEvents {
+    pub arrived: Vec<Event>,
+    pub consumed: Vec<Event>,
+}
+
+/// GPU slots: copies queued on `copy_stream`, ordered by the slots' events and by one event per
+/// staging buffer (its last upload). Every call needs the target's context current.
+pub(crate) struct CudaLane {
+    copy_stream: Stream,
+    slots: SlotEvents,
+    uploaded: Vec<Event>,
+}
+
+impl CudaLane {
+    /// Creates the events of `slots` slots and `buffers` staging buffers in the current context.
+    pub fn new(copy_stream: Stream, slots: usize, buffers: usize) -> Result<Self> {
+        let mk = |n: usize| (0..n).map(|_| Event::new()).collect::<Result<Vec<_>>>();
+        Ok(Self {
+            copy_stream,
+            slots: SlotEvents {
+                arrived: mk(slots)?,
+                consumed: mk(slots)?,
+            },
+            uploaded: mk(buffers)?,
+        })
+    }
+
+    fn buffer(&self, buffer: usize) -> Result<&Event> {
+        self.uploaded.get(buffer).ok_or_else(|| {
+            CudaError::InvalidArgument(format!(
+                "staging buffer {buffer} out of range ({} buffers)",
+                self.uploaded.len()
+            ))
+        })
+    }
+}
+
+impl Lane for CudaLane {
+    fn stream(&self) -> Option<Stream> {
+        Some(self.copy_stream)
+    }
+    fn wait_consumed(&self, slot: usize) -> Result<()> {
+        self.slots.consumed[slot].wait_on(self.copy_stream)
+    }
+    unsafe fn copy(&self, dst: usize, src: usize, n: usize) -> Result<()> {
+        // SAFETY: the caller upholds the contract of `Lane::copy`, which is `h2d_async`'s.
+        unsafe { h2d_async(dst, src, n, self.copy_stream) }
+    }
+    fn record_uploaded(&self, buffer: usize) -> Result<()> {
+        self.buffer(buffer)?.record(self.copy_stream)
+    }
+    fn wait_uploaded(&self, buffer: usize) -> Result<()> {
+        self.buffer(buffer)?.synchronize()
+    }
+    fn record_arrived(&self, slot: usize) -> Result<()> {
+        self.slots.arrived[slot].record(self.copy_stream)
+    }
+    fn acquire(&self, slot: usize, compute: Stream) -> Result<()> {
+        self.slots.arrived[slot].wait_on(compute)
+    }
+    fn release(&self, slot: usize, compute: Stream) -> Result<()> {
+        self.slots.consumed[slot].record(compute)
+    }
+    fn synchronize(&self) -> Result<()> {
+        // SAFETY: the stream handle is owned by PyTorch and alive while the transport is.
+        check(
+            unsafe { sys::cuStreamSynchronize(self.copy_stream.raw()) },
+            "cuStreamSynchronize",
+            "draining copies",
+        )
+    }
+}
+
+/// Queues an asynchronous host-to-device copy of `n` bytes on `stream`.
+///
+/// # Safety
+/// `src` is `n` live host bytes (page-locked for the copy to be truly asynchronous: a pageable
+/// source is copied by the driver before this returns) that stay allocated and unmodified until
+/// the copy completes; `dst` is `n` bytes of device memory of the current context that stay
+/// allocated until then; `stream` is a live stream of the current context (or 0).
+pub(crate) unsafe fn h2d_async(dst: usize, src: usize, n: usize, stream: Stream) -> Result<()> {
+    // SAFETY: the caller upholds the contract above.
+    let code = unsafe {
+        sys::cuMemcpyHtoDAsync_v2(
+            dst as sys::CUdeviceptr,
+            src as *const std::ffi::c_void,
+            n,
+            stream.raw(),
+        )
+    };
+    check(
+        code,
+        "cuMemcpyHtoDAsync",
+        &format!("copying {n} bytes to the GPU"),
+    )
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// One step a lane or a stage was asked for.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Op {
+        Wait(usize),
+        Pre(usize),
+        Copy { dst: usize, src: usize, n: usize },
+        Post(usize),
+        Uploaded(usize),
+        WaitUploaded(usize),
+        Arrived(usize),
+    }
+
+    /// A CPU lane that really copies and logs every step; copies fail on request.
+    #[derive(Default)]
+    pub(crate) struct Recorder {
+        pub log: Arc<Mutex<Vec<Op>>>,
+        pub fail_copies: std::sync::atomic::AtomicBool,
+    }
+
+    impl Recorder {
+        pub fn ops(&self) -> Vec<Op> {
+            self.log.lock().unwrap().clone()
+        }
+        fn push(&self, op: Op) {
+            self.log.lock().unwrap().push(op);
+        }
+    }
+
+    impl Lane for Recorder {
+        fn stream(&self) -> Option<Stream> {
+            None
+        }
+        fn wait_consumed(&self, slot: usize) -> Result<()> {
+            self.push(Op::Wait(slot));
+            Ok(())
+        }
+        unsafe fn copy(&self, dst: usize, src: usize, n: usize) -> Result<()> {
+            self.push(Op::Copy { dst, src, n });
+            if self.fail_copies.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(CudaError::Staging("copy refused by the test".into()));
+            }
+            // SAFETY: the caller upholds `Lane::copy`'s contract.
+            unsafe { CpuLane.copy(dst, src, n) }
+        }
+        fn record_uploaded(&self, buffer: usize) -> Result<()> {
+            self.push(Op::Uploaded(buffer));
+            Ok(())
+        }
+        fn wait_uploaded(&self, buffer: usize) -> Result<()> {
+            self.push(Op::WaitUploaded(buffer));
+            Ok(())
+        }
+        fn record_arrived(&self, slot: usize) -> Result<()> {
+            self.push(Op::Arrived(slot));
+            Ok(())
+        }
+        fn acquire(&self, _slot: usize, _compute: Stream) -> Result<()> {
+            Ok(())
+        }
+        fn release(&self, _slot: usize, _compute: Stream) -> Result<()> {
+            Ok(())
+        }
+        fn synchronize(&self) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A stage that logs itself (`Pre`/`Post` with the sink's slot), or fails.
+    #[derive(Debug)]
+    struct Logged {
+        log: Arc<Mutex<Vec<Op>>>,
+        pre: bool,
+        fail: bool,
+    }
+
+    impl Stage for Logged {
+        fn run(&self, _copy_stream: Option<Stream>, sink: &Sink) -> Result<()> {
+            let op = if self.pre { Op::Pre } else { Op::Post };
+            self.log.lock().unwrap().push(op(sink.slot()));
+            if self.fail {
+                return Err(CudaError::Staging("stage refused by the test".into()));
+            }
+            Ok(())
+        }
+    }
+
+    fn staged_job(rec: &Recorder, dst: usize, fail_pre: bool) -> Job {
+        let stage = |pre, fail| {
+            Some(Arc::new(Logged {
+                log: Arc::clone(&rec.log),
+                pre,
+                fail,
+            }) as Arc<dyn Stage>)
+        };
+        Job {
+            source: Source::Host { src: 0, n: 0 },
+            sink: Sink::Slot { slot: 1, dst },
+            pre_copy: stage(true, fail_pre),
+            post_copy: stage(false, false),
+        }
+    }
+
+    #[test]
+    fn a_whole_job_waits_maps_copies_decodes_and_arrives_in_that_order() {
+        let rec = Recorder::default();
+        let src = [7u8; 64];
+        let mut dst = [0u8; 80];
+        let job = staged_job(&rec, dst.as_mut_ptr() as usize, false);
+        let c = |offset, len| Span {
+            offset,
+            src: src.as_ptr() as usize,
+            len,
+        };
+        // SAFETY: both copies read `src` and write inside `dst`, disjoint, live for the call.
+        unsafe { enqueue(&rec, Part::whole(&job), [c(0, 16), c(40, 40)]) }.unwrap();
+        let d = dst.as_ptr() as usize;
+        let s = src.as_ptr() as usize;
+        assert_eq!(
+            rec.ops(),
+            [
+                Op::Wait(1),
+                Op::Pre(1),
+                Op::Copy {
+                    dst: d,
+                    src: s,
+                    n: 16
+                },
+                Op::Copy {
+                    dst: d + 40,
+                    src: s,
+                    n: 40
+                },
+                Op::Post(1),
+                Op::Arrived(1)
+            ]
+        );
+        assert!(dst[..16].iter().all(|&b| b == 7) && dst[16..40].iter().all(|&b| b == 0));
+        assert!(dst[40..].iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn parts_wait_once_record_each_buffer_and_arrive_once() {
+        let rec = Recorder::default();
+        let src = [3u8; 30];
+        let mut dst = [0u8; 30];
+        let job = staged_job(&rec, dst.as_mut_ptr() as usize, false);
+        for (k, b) in [(0usize, 2usize), (1, 0), (2, 1)] {
+            let part = Part {
+                job: &job,
+                first: k == 0,
+                last: k == 2,
+                buffer: Some(b),
+            };
+            let copy = Span {
+                offset: 10 * k,
+                src: src.as_ptr() as usize + 10 * k,
+                len: 10,
+            };
+            // SAFETY: each part copies a disjoint tenth of `src` into the same tenth of `dst`.
+            unsafe { enqueue(&rec, part, [copy]) }.unwrap();
+        }
+        let kinds: Vec<String> = rec
+            .ops()
+            .iter()
+            .map(|op| match op {
+                Op::Copy { .. } => "copy".to_string(),
+                other => format!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "Wait(1)",
+                "Pre(1)",
+                "copy",
+                "Uploaded(2)",
+                "copy",
+                "Uploaded(0)",
+                "copy",
+                "Uploaded(1)",
+                "Post(1)",
+                "Arrived(1)"
+            ]
+        );
+        assert_eq!(dst, src);
+    }
+
+    #[test]
+    fn a_failed_copy_still_records_its_buffer_and_never_arrives() {
+        let rec = Recorder::default();
+        rec.fail_copies
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let src = [1u8; 8];
+        let mut dst = [0u8; 8];
+        let job = staged_job(&rec, dst.as_mut_ptr() as usize, false);
+        let part = Part {
+            buffer: Some(0),
+            ..Part::whole(&job)
+        };
+        let copy = Span {
+            offset: 0,
+            src: src.as_ptr() as usize,
+            len: 8,
+        };
+        // SAFETY: `src` and `dst` are 8 live, disjoint bytes.
+        let err = unsafe { enqueue(&rec, part, [copy, copy]) }.unwrap_err();
+        assert!(err.to_string().contains("refused by the test"), "{err}");
+        let ops = rec.ops();
+        assert_eq!(ops.len(), 4, "{ops:?}"); // wait, pre, the first copy, the buffer's record
+        assert_eq!(ops[3], Op::Uploaded(0));
+        assert!(!ops.contains(&Op::Arrived(1)) && !ops.contains(&Op::Post(1)));
+    }
+
+    #[test]
+    fn a_failed_pre_copy_stage_queues_no_copy() {
+        let rec = Recorder::default();
+        let src = [1u8; 8];
+        let mut dst = [0u8; 8];
+        let job = staged_job(&rec, dst.as_mut_ptr() as usize, true);
+        let copy = Span {
+            offset: 0,
+            src: src.as_ptr() as usize,
+            len: 8,
+        };
+        // SAFETY: `src` and `dst` are 8 live, disjoint bytes.
+        assert!(unsafe { enqueue(&rec, Part::whole(&job), [copy]) }.is_err());
+        assert_eq!(rec.ops(), [Op::Wait(1), Op::Pre(1)]);
+        assert_eq!(dst, [0; 8]);
+    }
+
+    #[test]
+    fn an_empty_job_still_waits_and_arrives() {
+        let rec = Recorder::default();
+        let job = Job::new(
+            Source::Host { src: 0, n: 0 },
+            Sink::Slot { slot: 0, dst: 0 },
+        );
+        // SAFETY: no copy.
+        unsafe { enqueue(&rec, Part::whole(&job), []) }.unwrap();
+        assert_eq!(rec.ops(), [Op::Wait(0), Op::Arrived(0)]);
+    }
+}
