@@ -8,11 +8,30 @@ use cudarc::driver::sys;
 use crate::error::{CudaError, Result};
 
 /// A `CUstream` handle owned by someone else (normally PyTorch: `torch.cuda.Stream.cuda_stream`).
-/// Zero is the legacy default stream.
+/// Zero is the legacy default stream. The handle is handed to the driver as is, so only
+/// [`Stream::DEFAULT`] is made without `unsafe`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stream(pub u64);
+pub struct Stream(u64);
 
 impl Stream {
+    /// The legacy default stream of the current context (handle 0).
+    pub const DEFAULT: Stream = Stream(0);
+
+    /// Wraps a stream handle.
+    ///
+    /// # Safety
+    /// `handle` is 0 or a live `CUstream` of the context it will be used with (the target's
+    /// primary context), and stays alive as long as work is queued on it through this value (for
+    /// a transport's copy stream: until the transport is dropped).
+    pub unsafe fn from_raw(handle: u64) -> Self {
+        Self(handle)
+    }
+
+    /// The handle.
+    pub fn handle(self) -> u64 {
+        self.0
+    }
+
     pub(crate) fn raw(self) -> sys::CUstream {
         self.0 as usize as sys::CUstream
     }

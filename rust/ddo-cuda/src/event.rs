@@ -32,7 +32,8 @@ impl Event {
 
     /// Records the event on `stream`: it completes when the work queued so far on it completes.
     pub fn record(&self, stream: Stream) -> Result<()> {
-        // SAFETY: the event is live; the stream handle comes from PyTorch or is the default stream.
+        // SAFETY: the event is live; `Stream` holds 0 or a live stream of this context
+        // (`Stream::from_raw`'s contract).
         check(
             unsafe { sys::cuEventRecord(self.0, stream.raw()) },
             "cuEventRecord",

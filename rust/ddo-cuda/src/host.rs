@@ -25,7 +25,11 @@ pub struct HostRegistration {
 
 impl HostRegistration {
     /// Registers the range. Registering is about 6x faster than `cuMemHostAlloc` of the same size.
-    pub fn register(ptr: usize, len: usize) -> Result<Self> {
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` is allocated host memory (not already registered) that stays allocated
+    /// until the returned value is dropped; the current context is the one it is used with.
+    pub unsafe fn register(ptr: usize, len: usize) -> Result<Self> {
         init()?;
         if ptr == 0 || len == 0 {
             return Err(CudaError::InvalidArgument(format!(
@@ -82,10 +86,9 @@ impl HostBuffer {
             CudaError::OutOfMemory(format!("mapping a {len}-byte host buffer: {e}"))
         })?;
         let registration = if pinned {
-            Some(HostRegistration::register(
-                map.as_ptr() as usize,
-                map.len(),
-            )?)
+            // SAFETY: the mapping is owned by `Self`, whose field order drops (unregisters) the
+            // registration before the mapping is unmapped.
+            Some(unsafe { HostRegistration::register(map.as_ptr() as usize, map.len()) }?)
         } else {
             None
         };
@@ -174,7 +177,13 @@ fn check_host_copy(dst: usize, src: usize, n: usize) -> Result<()> {
 
 /// Runs many `(dst, src, n)` host copies in parallel (one rayon task per copy, large copies split),
 /// after checking every one ([`check_host_copy`]): none runs when one is invalid.
-pub fn copy_host_many(jobs: &[(usize, usize, usize)]) -> Result<()> {
+///
+/// # Safety
+/// For every job, `src` is `n` readable and `dst` `n` writable bytes of host memory, allocated for
+/// the duration of the call and not written by anyone else meanwhile; no job's destination
+/// overlaps another job's source or destination. (Null, wrapping and self-overlapping ranges are
+/// refused: those are checked.)
+pub unsafe fn copy_host_many(jobs: &[(usize, usize, usize)]) -> Result<()> {
     for &(dst, src, n) in jobs {
         check_host_copy(dst, src, n)?;
     }
@@ -191,16 +200,24 @@ pub fn copy_host_many(jobs: &[(usize, usize, usize)]) -> Result<()> {
 ///
 /// Errors: [`CudaError::InvalidArgument`] for a job whose destination is null or wraps,
 /// [`CudaError::Read`] (naming the file) for a range past the end of the file or a failed read.
-pub fn read_file_into(path: &std::path::Path, jobs: &[(u64, usize, usize)]) -> Result<()> {
+///
+/// # Safety
+/// Every job's `dst` is `len` writable bytes of host memory, allocated for the duration of the
+/// call, read or written by nobody else meanwhile, and disjoint from every other job's.
+pub unsafe fn read_file_into(path: &std::path::Path, jobs: &[(u64, usize, usize)]) -> Result<()> {
     let file = std::fs::File::open(path)
         .map_err(|e| CudaError::Read(format!("opening {}: {e}", path.display())))?;
-    read_fd_into(&file, path, jobs)
+    // SAFETY: the caller upholds the same contract.
+    unsafe { read_fd_into(&file, path, jobs) }
 }
 
 /// [`read_file_into`] from a file that is already open (a validated index's file: the bytes then
 /// come from the file whose header was checked, even if another file was renamed over its path).
 /// `path` names the file in messages.
-pub fn read_fd_into(
+///
+/// # Safety
+/// As for [`read_file_into`].
+pub unsafe fn read_fd_into(
     file: &std::fs::File,
     path: &std::path::Path,
     jobs: &[(u64, usize, usize)],
@@ -239,7 +256,7 @@ pub fn read_fd_into(
         .try_for_each(|&(off, len, dst)| {
             // SAFETY: the caller guarantees `dst` points to `len` writable bytes that stay allocated
             // and are not read or written by anyone else until this call returns (the range was
-            // checked not to be null nor to wrap).
+            // checked not to be null nor to wrap); pieces of one job are disjoint sub-ranges.
             let buf = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
             file.read_exact_at(buf, off)
         })
@@ -274,10 +291,13 @@ mod tests {
         let b: Vec<u8> = vec![9; 3000];
         let mut out = vec![0u8; 4000];
         let base = out.as_mut_ptr() as usize;
-        copy_host_many(&[
-            (base, a.as_ptr() as usize, 1000),
-            (base + 1000, b.as_ptr() as usize, 3000),
-        ])
+        // SAFETY: two disjoint halves of `out`, from two live vectors of those sizes.
+        unsafe {
+            copy_host_many(&[
+                (base, a.as_ptr() as usize, 1000),
+                (base + 1000, b.as_ptr() as usize, 3000),
+            ])
+        }
         .unwrap();
         assert!(out[..1000].iter().all(|&x| x == 7));
         assert!(out[1000..].iter().all(|&x| x == 9));
@@ -292,20 +312,19 @@ mod tests {
         std::fs::write(&path, &data).unwrap();
         let mut out = vec![0u8; 20 << 20];
         let base = out.as_mut_ptr() as usize;
-        read_file_into(
-            &path,
-            &[(5, 1000, base), (1 << 20, (20 << 20) - 1000, base + 1000)],
-        )
-        .unwrap();
+        // SAFETY (every call below): the destinations are disjoint ranges inside `out`, which
+        // outlives the calls, or are refused before anything is read.
+        let read = |jobs: &[(u64, usize, usize)]| unsafe { read_file_into(&path, jobs) };
+        read(&[(5, 1000, base), (1 << 20, (20 << 20) - 1000, base + 1000)]).unwrap();
         assert_eq!(&out[..1000], &data[5..1005]);
         assert_eq!(&out[1000..], &data[1 << 20..(1 << 20) + (20 << 20) - 1000]);
-        let err = read_file_into(&path, &[(data.len() as u64 - 10, 100, base)]).unwrap_err();
+        let err = read(&[(data.len() as u64 - 10, 100, base)]).unwrap_err();
         assert!(matches!(err, CudaError::Read(_)), "{err}");
         assert!(err.to_string().contains("f.bin") && err.to_string().contains("file is"));
         // a range the size of the address space is refused before anything is listed or read
-        let err = read_file_into(&path, &[(0, 1 << 50, base)]).unwrap_err();
+        let err = read(&[(0, 1 << 50, base)]).unwrap_err();
         assert!(matches!(err, CudaError::Read(_)), "{err}");
-        let err = read_file_into(&path, &[(0, 10, 0)]).unwrap_err();
+        let err = read(&[(0, 10, 0)]).unwrap_err();
         assert!(matches!(err, CudaError::InvalidArgument(_)), "{err}");
         assert!(err.to_string().contains("null pointer"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
@@ -324,12 +343,14 @@ mod tests {
             ),
             (vec![(d, d + 2, 4)], "overlap"),
         ] {
-            let err = copy_host_many(&jobs).unwrap_err();
+            // SAFETY: refused before any copy runs.
+            let err = unsafe { copy_host_many(&jobs) }.unwrap_err();
             assert!(matches!(err, CudaError::InvalidArgument(_)), "{err}");
             assert!(err.to_string().contains(want), "want {want:?} in {err}");
         }
         assert_eq!(out, [0; 8]);
-        copy_host_many(&[(d, s, 8), (0, 0, 0)]).unwrap();
+        // SAFETY: `src` and `out` are 8 live, disjoint bytes; the empty job touches nothing.
+        unsafe { copy_host_many(&[(d, s, 8), (0, 0, 0)]) }.unwrap();
         assert_eq!(out, [1; 8]);
     }
 

@@ -366,7 +366,8 @@ impl Lane for CudaLane {
         self.slots.consumed[slot].record(compute)
     }
     fn synchronize(&self) -> Result<()> {
-        // SAFETY: the stream handle is owned by PyTorch and alive while the transport is.
+        // SAFETY: `Stream` holds 0 or a live stream of the current context, alive while the
+        // transport is (`Stream::from_raw`'s contract).
         check(
             unsafe { sys::cuStreamSynchronize(self.copy_stream.raw()) },
             "cuStreamSynchronize",

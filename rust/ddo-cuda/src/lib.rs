@@ -5,9 +5,12 @@
 //! [`CudaError::NotAvailable`]. Contexts are never created here: the device's *primary* context is
 //! retained, which is the one PyTorch's runtime uses, so streams and pointers from PyTorch are valid.
 //!
-//! Memory contract: functions that take addresses (`usize`) and byte counts copy between memory
-//! owned by the caller (tensors the Python engine keeps alive for as long as a copy may be in
-//! flight, see [`Transport::drain`]). This crate never frees memory it did not allocate.
+//! Memory contract: every public function that takes addresses (`usize`) or stream handles is an
+//! `unsafe fn` whose `# Safety` section says what the caller guarantees: the memory is owned by the
+//! caller (tensors the Python engine keeps alive for as long as a copy may be in flight, see
+//! [`Transport::drain`]) and a [`Stream`] holds a live handle ([`Stream::from_raw`]). Null and
+//! wrapping ranges are refused with an error rather than trusted. This crate never frees memory it
+//! did not allocate.
 
 mod driver;
 mod error;

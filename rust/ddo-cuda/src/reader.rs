@@ -74,15 +74,23 @@ impl ReadFile {
     /// padding). Direct reads need `offset`, `len` and `dst` aligned to [`ALIGN`]; unaligned
     /// requests are read buffered.
     ///
-    /// The caller guarantees that `dst` points to `len` writable bytes nobody else touches until
-    /// this returns.
-    pub fn read_chunk(&self, offset: u64, len: usize, needed: usize, dst: usize) -> Result<()> {
+    /// # Safety
+    /// `dst` points to `len` writable bytes of host memory that stay allocated, and that nobody
+    /// else reads or writes, until this returns.
+    pub unsafe fn read_chunk(
+        &self,
+        offset: u64,
+        len: usize,
+        needed: usize,
+        dst: usize,
+    ) -> Result<()> {
         let aligned = chunk_is_aligned(offset, len, dst);
         (0..len.div_ceil(PIECE)).into_par_iter().try_for_each(|i| {
             let o = i * PIECE;
             let n = PIECE.min(len - o);
             let want = needed.saturating_sub(o).min(n);
-            self.read_span(aligned, offset + o as u64, n, want, dst + o)
+            // SAFETY: each piece is a disjoint sub-range of the caller's `dst`.
+            unsafe { self.read_span(aligned, offset + o as u64, n, want, dst + o) }
         })
     }
 
@@ -90,7 +98,10 @@ impl ReadFile {
     /// exist. `O_DIRECT` when the chunk is `aligned` and the file allows it; a filesystem that
     /// refuses it (`EINVAL`) turns it off for the file and the piece is read through the page
     /// cache, whose pages are then dropped.
-    pub fn read_span(
+    ///
+    /// # Safety
+    /// As for [`ReadFile::read_chunk`], with `n` bytes at `dst`.
+    pub unsafe fn read_span(
         &self,
         aligned: bool,
         offset: u64,
@@ -99,7 +110,8 @@ impl ReadFile {
         dst: usize,
     ) -> Result<()> {
         if aligned && self.is_direct() {
-            match self.read_piece(true, offset, n, want, dst) {
+            // SAFETY: the caller's contract is `read_piece`'s.
+            match unsafe { self.read_piece(true, offset, n, want, dst) } {
                 Ok(()) => return Ok(()),
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     tracing::info!(
@@ -111,13 +123,16 @@ impl ReadFile {
                 Err(e) => return Err(read_err(&self.path, "reading", e)),
             }
         }
-        self.read_piece(false, offset, n, want, dst)
+        // SAFETY: as above.
+        unsafe { self.read_piece(false, offset, n, want, dst) }
             .map_err(|e| read_err(&self.path, "reading", e))?;
         self.drop_cached(offset, n);
         Ok(())
     }
 
-    fn read_piece(
+    /// # Safety
+    /// As for [`ReadFile::read_span`].
+    unsafe fn read_piece(
         &self,
         direct: bool,
         offset: u64,
@@ -129,8 +144,8 @@ impl ReadFile {
             (true, Some(f)) => f,
             _ => &self.buffered,
         };
-        // SAFETY: the caller of `read_chunk` guarantees [dst, dst + len) is writable, owned by this
-        // read until it returns, and this piece is a disjoint sub-range of it.
+        // SAFETY: the caller guarantees [dst, dst + n) is writable and owned by this read until it
+        // returns.
         let buf = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, n) };
         let mut got = 0usize;
         while got < n {
@@ -256,7 +271,8 @@ fn measure_in_windows(
     while offset < len {
         let n = window.min(len - offset);
         let want = needed.saturating_sub(offset).min(n);
-        pool.install(|| file.read_chunk(offset as u64, n, want, buf.ptr()))?;
+        // SAFETY: the buffer is owned here, holds at least `n` bytes and is not used elsewhere.
+        pool.install(|| unsafe { file.read_chunk(offset as u64, n, want, buf.ptr()) })?;
         offset += n;
     }
     let secs = t0.elapsed().as_secs_f64().max(1e-9);
@@ -288,18 +304,18 @@ pub(crate) mod tests {
         let f = ReadFile::open(&path, direct).unwrap();
         let padded = len.div_ceil(ALIGN) * ALIGN;
         let buf = HostBuffer::new(padded, false).unwrap();
-        f.read_chunk(0, padded, len, buf.ptr()).unwrap();
+        // SAFETY (the three reads): each destination holds the bytes read and outlives the call.
+        unsafe { f.read_chunk(0, padded, len, buf.ptr()) }.unwrap();
         // SAFETY: the buffer holds `padded` >= `len` initialised bytes (an anonymous mapping).
         let got = unsafe { std::slice::from_raw_parts(buf.ptr() as *const u8, len) };
         assert_eq!(got, &data[..]);
         // needing bytes past the end is an error naming the file
-        let err = f.read_chunk(0, padded, len + 1, buf.ptr()).unwrap_err();
+        let err = unsafe { f.read_chunk(0, padded, len + 1, buf.ptr()) }.unwrap_err();
         assert!(matches!(err, CudaError::Read(_)), "{err}");
         assert!(err.to_string().contains("w.bin"), "{err}");
         // unaligned ranges go buffered
         let mut small = vec![0u8; 100];
-        f.read_chunk(17, 100, 100, small.as_mut_ptr() as usize)
-            .unwrap();
+        unsafe { f.read_chunk(17, 100, 100, small.as_mut_ptr() as usize) }.unwrap();
         assert_eq!(&small[..], &data[17..117]);
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }

@@ -137,9 +137,13 @@ impl ReadPool {
     }
 
     /// Queues the reads of `len` bytes of `file` at `offset` into host address `dst` (of which the
-    /// first `needed` bytes must exist in the file; see [`ReadFile::read_chunk`]). The caller keeps
-    /// `dst` valid and untouched until the returned read [`is_done`](ChunkRead::is_done).
-    pub fn read_chunk(
+    /// first `needed` bytes must exist in the file; see [`ReadFile::read_chunk`]).
+    ///
+    /// # Safety
+    /// `dst` is `len` writable bytes of host memory that stay allocated, and that nobody else reads
+    /// or writes, until the returned read [`is_done`](ChunkRead::is_done) (or the pool is dropped,
+    /// which finishes every queued read).
+    pub unsafe fn read_chunk(
         &self,
         file: &Arc<ReadFile>,
         offset: u64,
@@ -209,9 +213,13 @@ fn reader(shared: &Shared) {
             }
         };
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            piece
-                .file
-                .read_span(piece.aligned, piece.offset, piece.n, piece.want, piece.dst)
+            // SAFETY: `read_chunk`'s caller keeps the chunk's destination, of which this piece
+            // is a disjoint sub-range, to this read until the chunk is done.
+            unsafe {
+                piece
+                    .file
+                    .read_span(piece.aligned, piece.offset, piece.n, piece.want, piece.dst)
+            }
         }))
         .unwrap_or_else(|_| Err(CudaError::Staging("a reader thread panicked".into())));
         piece.chunk.piece_done(r);
@@ -247,7 +255,8 @@ mod tests {
             .zip(&bufs)
             .map(|(&(off, n), b)| {
                 let needed = n.min(len - off as usize);
-                pool.read_chunk(&file, off, n, needed, b.ptr(), &wake)
+                // SAFETY: each buffer holds its chunk and is read only after its read is done.
+                unsafe { pool.read_chunk(&file, off, n, needed, b.ptr(), &wake) }
             })
             .collect();
         for ((r, &(off, n)), b) in reads.iter().zip(&spans).zip(&bufs) {
@@ -271,7 +280,8 @@ mod tests {
         let pool = ReadPool::new(2).unwrap();
         let buf = HostBuffer::new(3 * PIECE, false).unwrap();
         let seen = wake.seq();
-        let r = pool.read_chunk(&file, 0, 3 * PIECE, 3 * PIECE, buf.ptr(), &wake);
+        // SAFETY: the buffer holds the chunk and outlives the read (waited for below).
+        let r = unsafe { pool.read_chunk(&file, 0, 3 * PIECE, 3 * PIECE, buf.ptr(), &wake) };
         r.wait();
         assert!(wake.seq() > seen);
         let err = r.result().unwrap_err();
@@ -286,7 +296,8 @@ mod tests {
         let wake = Arc::new(Wake::default());
         let pool = ReadPool::new(1).unwrap();
         let buf = HostBuffer::new(8 * PIECE, false).unwrap();
-        let r = pool.read_chunk(&file, 0, 8 * PIECE, 8 * PIECE, buf.ptr(), &wake);
+        // SAFETY: the buffer holds the chunk and outlives the pool, whose drop finishes the read.
+        let r = unsafe { pool.read_chunk(&file, 0, 8 * PIECE, 8 * PIECE, buf.ptr(), &wake) };
         drop(pool); // joins the reader after the queue is empty: the buffer is no longer written
         assert!(r.is_done());
         r.result().unwrap();

@@ -269,14 +269,20 @@ impl Pipeline {
             }
             let (file, chunk) = &unit.chunks[index];
             let read = self.reads.as_ref().map(|r| {
-                r.read_chunk(
-                    file,
-                    chunk.offset,
-                    chunk.len as usize,
-                    chunk.needed as usize,
-                    self.ring.buffers[buffer].ptr(),
-                    &self.wake,
-                )
+                // SAFETY: the buffer holds the chunk (checked above), no upload reads it any more
+                // (waited for above), and it is neither refilled nor unmapped until this read is
+                // done: it leaves `free` until its step finishes or is abandoned, both of which
+                // wait for the read first.
+                unsafe {
+                    r.read_chunk(
+                        file,
+                        chunk.offset,
+                        chunk.len as usize,
+                        chunk.needed as usize,
+                        self.ring.buffers[buffer].ptr(),
+                        &self.wake,
+                    )
+                }
             });
             let read = read.expect("the reader pool was just started");
             self.steps.push_back(Step::Chunk {

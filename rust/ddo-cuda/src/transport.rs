@@ -294,9 +294,9 @@ mod tests {
             // SAFETY: the slot and the source are live vectors of `src.len()` bytes, kept past
             // the drain.
             unsafe { t.fetch(s, dst, src.as_ptr() as usize, src.len()) }.unwrap();
-            t.acquire(s, Stream(0)).unwrap();
+            t.acquire(s, Stream::DEFAULT).unwrap();
             assert_eq!(&slots[s], src, "unit {u}");
-            t.release(s, Stream(0)).unwrap();
+            t.release(s, Stream::DEFAULT).unwrap();
         }
         t.drain().unwrap();
         assert_eq!(t.stats().fetches, 5);
@@ -389,20 +389,20 @@ mod tests {
             unsafe { t.fetch_file(s, dst, u0) }.unwrap();
             // SAFETY: as above.
             unsafe { t.fetch_file(1 - s, other, u1) }.unwrap();
-            t.acquire(s, Stream(0)).unwrap();
-            t.acquire(1 - s, Stream(0)).unwrap();
+            t.acquire(s, Stream::DEFAULT).unwrap();
+            t.acquire(1 - s, Stream::DEFAULT).unwrap();
             assert_eq!(&slots[s][..10_000], &data[0][7..10_007]);
             assert_eq!(&slots[s][10_240..60_240], &data[0][10_007..60_007]);
             assert_eq!(&slots[s][60_416..61_415], &data[1][100..1099]);
             assert_eq!(&slots[1 - s][..], &data[1][200_001..]);
-            t.release(s, Stream(0)).unwrap();
-            t.release(1 - s, Stream(0)).unwrap();
+            t.release(s, Stream::DEFAULT).unwrap();
+            t.release(1 - s, Stream::DEFAULT).unwrap();
             // host (RAM-cache) sources interleave with file sources
             // SAFETY: the slot holds 100 000 bytes, `host` 5000; both live past the drain.
             unsafe { t.fetch(s, dst, host.as_ptr() as usize, host.len()) }.unwrap();
-            t.acquire(s, Stream(0)).unwrap();
+            t.acquire(s, Stream::DEFAULT).unwrap();
             assert_eq!(&slots[s][..5000], &host[..]);
-            t.release(s, Stream(0)).unwrap();
+            t.release(s, Stream::DEFAULT).unwrap();
         }
         t.drain().unwrap();
         assert_eq!(t.stats().file_fetches, 6);
@@ -411,7 +411,7 @@ mod tests {
         std::fs::write(dir.join("1.bin"), &data[1][..1000]).unwrap();
         // SAFETY: the slot is a live 100 000-byte vector, kept past the transport.
         unsafe { t.fetch_file(0, slots[0].as_mut_ptr() as usize, u1) }.unwrap();
-        let err = t.acquire(0, Stream(0)).unwrap_err();
+        let err = t.acquire(0, Stream::DEFAULT).unwrap_err();
         assert!(matches!(err, CudaError::Read(_)), "{err}");
         assert!(err.to_string().contains("1.bin"), "{err}");
         drop(t);
@@ -474,14 +474,14 @@ mod tests {
                 if k >= slots_n {
                     // the slot's previous job must be checked and released before refilling it
                     let (ps, expect): (usize, &[u8]) = jobs[k - slots_n];
-                    t.acquire(ps, Stream(0)).unwrap();
+                    t.acquire(ps, Stream::DEFAULT).unwrap();
                     assert_eq!(
                         &slots[ps][..expect.len()],
                         expect,
                         "round {round} job {}",
                         k - slots_n
                     );
-                    t.release(ps, Stream(0)).unwrap();
+                    t.release(ps, Stream::DEFAULT).unwrap();
                 }
                 let dst = slots[s].as_mut_ptr() as usize;
                 if (k + round) % 5 == 0 {
@@ -496,9 +496,9 @@ mod tests {
                 }
             }
             for &(s, expect) in &jobs[units.len() - slots_n..] {
-                t.acquire(s, Stream(0)).unwrap();
+                t.acquire(s, Stream::DEFAULT).unwrap();
                 assert_eq!(&slots[s][..expect.len()], expect, "round {round} tail");
-                t.release(s, Stream(0)).unwrap();
+                t.release(s, Stream::DEFAULT).unwrap();
             }
         }
         t.drain().unwrap();
@@ -509,7 +509,7 @@ mod tests {
             // SAFETY: as above.
             unsafe { t.fetch_file(s, dst, units[s].0) }.unwrap();
         }
-        let err = t.acquire(slots_n - 1, Stream(0)).unwrap_err();
+        let err = t.acquire(slots_n - 1, Stream::DEFAULT).unwrap_err();
         assert!(err.to_string().contains("w.bin"), "{err}");
         assert!(t.drain().is_err());
         drop(t);
@@ -572,8 +572,8 @@ mod tests {
             for k in 0..9 {
                 let s = k % 3;
                 if k >= 3 {
-                    t.acquire(s, Stream(0)).unwrap();
-                    t.release(s, Stream(0)).unwrap();
+                    t.acquire(s, Stream::DEFAULT).unwrap();
+                    t.release(s, Stream::DEFAULT).unwrap();
                 }
                 match file {
                     Some(u) if k % 2 == 0 => {
@@ -639,7 +639,7 @@ mod tests {
     fn bad_slot_is_an_error() {
         let mut t = Transport::new(Target::Cpu, 2, None).unwrap();
         assert!(matches!(
-            t.acquire(5, Stream(0)),
+            t.acquire(5, Stream::DEFAULT),
             Err(CudaError::InvalidArgument(_))
         ));
     }
@@ -699,7 +699,7 @@ mod tests {
         let err = Transport::new(
             Target::Cuda {
                 ordinal: 0,
-                copy_stream: Stream(0),
+                copy_stream: Stream::DEFAULT,
             },
             2,
             None,

@@ -74,13 +74,17 @@ impl SafetensorsIndex {
             ))
         })?;
         let inner = &self.inner;
-        py.detach(|| ddo_cuda::read_fd_into(inner.file(), inner.path(), &[(offset, n, dst)]))
-            .map_err(|e| match e {
-                ddo_cuda::CudaError::Read(m) => {
-                    CheckpointError::new_err(format!("tensor {name:?}: {m}"))
-                }
-                other => cuda_err(other),
-            })?;
+        // SAFETY: the Python caller passes the data pointer of a contiguous CPU tensor of at
+        // least the tensor's `nbytes` (documented in _native.pyi), held during the call.
+        py.detach(|| unsafe {
+            ddo_cuda::read_fd_into(inner.file(), inner.path(), &[(offset, n, dst)])
+        })
+        .map_err(|e| match e {
+            ddo_cuda::CudaError::Read(m) => {
+                CheckpointError::new_err(format!("tensor {name:?}: {m}"))
+            }
+            other => cuda_err(other),
+        })?;
         Ok(nbytes)
     }
 }
@@ -94,7 +98,9 @@ fn read_file_into(
     path: std::path::PathBuf,
     jobs: Vec<(u64, usize, usize)>,
 ) -> PyResult<()> {
-    py.detach(|| ddo_cuda::read_file_into(&path, &jobs))
+    // SAFETY: the callers (ddo_blocks/loading.py) pass data pointers of CPU tensors (or of
+    // disjoint ranges of one slab) sized for the bytes read, held during the call.
+    py.detach(|| unsafe { ddo_cuda::read_file_into(&path, &jobs) })
         .map_err(|e| match e {
             ddo_cuda::CudaError::Read(m) => CheckpointError::new_err(m),
             other => cuda_err(other),

@@ -27,7 +27,10 @@ fn cuda_driver_version() -> PyResult<i32> {
 /// overlapping range raises `ConfigError` before any copy runs.
 #[pyfunction]
 fn copy_host_many(py: Python<'_>, jobs: Vec<(usize, usize, usize)>) -> PyResult<()> {
-    py.detach(|| ddo_cuda::copy_host_many(&jobs))
+    // SAFETY: the Python callers (streaming/upload.py, streaming/slabs.py) pass data pointers and
+    // byte sizes of CPU tensors they hold during the call: parameters as sources, fresh staging
+    // buffers or slabs as destinations, each destination range used by one job only.
+    py.detach(|| unsafe { ddo_cuda::copy_host_many(&jobs) })
         .map_err(cuda_err)
 }
 
@@ -53,7 +56,10 @@ impl HostRegistration {
         let inner = py
             .detach(|| {
                 let _ctx = ddo_cuda::bind_context(device)?;
-                ddo_cuda::HostRegistration::register(ptr, nbytes)
+                // SAFETY: `ptr` and `nbytes` describe the CPU storage of `owner` (a tensor the
+                // caller allocated for this), and this object keeps `owner` alive until the range
+                // is unregistered (`close` drops the registration before the owner).
+                unsafe { ddo_cuda::HostRegistration::register(ptr, nbytes) }
             })
             .map_err(cuda_err)?;
         Ok(Self {
@@ -115,7 +121,9 @@ impl Transport {
             "cpu" => Target::Cpu,
             "cuda" => Target::Cuda {
                 ordinal,
-                copy_stream: Stream(copy_stream),
+                // SAFETY: the engine passes `torch.cuda.Stream.cuda_stream` of a stream it
+                // created on this device and keeps until the transport is closed.
+                copy_stream: unsafe { Stream::from_raw(copy_stream) },
             },
             other => {
                 return Err(ConfigError::new_err(format!(
@@ -212,14 +220,16 @@ impl Transport {
 
     fn acquire(&mut self, py: Python<'_>, slot: usize, compute_stream: u64) -> PyResult<()> {
         let t = self.get()?;
-        py.detach(|| t.acquire(slot, Stream(compute_stream)))
-            .map_err(cuda_err)
+        // SAFETY: the engine passes `torch.cuda.current_stream().cuda_stream` (or 0 on the CPU
+        // target, where streams are not used): a live stream of the transport's device.
+        let compute = unsafe { Stream::from_raw(compute_stream) };
+        py.detach(|| t.acquire(slot, compute)).map_err(cuda_err)
     }
 
     fn release(&mut self, slot: usize, compute_stream: u64) -> PyResult<()> {
-        self.get()?
-            .release(slot, Stream(compute_stream))
-            .map_err(cuda_err)
+        // SAFETY: as for `acquire`.
+        let compute = unsafe { Stream::from_raw(compute_stream) };
+        self.get()?.release(slot, compute).map_err(cuda_err)
     }
 
     fn drain(&mut self, py: Python<'_>) -> PyResult<()> {
