@@ -5,6 +5,7 @@ use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
+use crate::deferred::ErrorSlot;
 use crate::error::{CudaError, Result};
 
 /// A `CUstream` handle owned by someone else (normally PyTorch: `torch.cuda.Stream.cuda_stream`).
@@ -119,8 +120,12 @@ pub struct ContextGuard {
 }
 
 /// Binds the primary context of device `ordinal` until the returned guard is dropped.
+///
+/// First returns what the process [`ErrorSlot`] holds, if anything: a failure no call could report
+/// (a context not restored, host memory not unregistered) surfaces at the next use of a context.
 pub fn bind_context(ordinal: usize) -> Result<ContextGuard> {
     init()?;
+    ErrorSlot::process().check()?;
     let ctx = primary_context(ordinal)?;
     let mut current: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: valid out-pointer.
@@ -148,8 +153,9 @@ impl Drop for ContextGuard {
         if let Some(previous) = self.previous {
             // SAFETY: `previous` was the thread's current context (or null) before the guard.
             let code = unsafe { sys::cuCtxSetCurrent(previous as sys::CUcontext) };
-            if code != sys::CUresult::CUDA_SUCCESS {
-                tracing::warn!("restoring the previous CUDA context failed: {code:?}");
+            let during = "restoring the caller's CUDA context";
+            if let Err(e) = check(code, "cuCtxSetCurrent", during) {
+                ErrorSlot::process().record(during, e);
             }
         }
     }

@@ -25,6 +25,13 @@ pub enum CudaError {
     /// The background staging thread stopped.
     #[error("staging thread failed: {0}")]
     Staging(String),
+    /// An error met where it could not be returned (in `Drop`, at a thread's shutdown), returned by
+    /// the next fallible call (see [`crate::ErrorSlot`]).
+    #[error(
+        "an earlier clean-up failed and could not be reported then: {0}; the CUDA context may be \
+         unusable (restart the process if later calls fail too)"
+    )]
+    Deferred(String),
 }
 
 pub type Result<T> = std::result::Result<T, CudaError>;

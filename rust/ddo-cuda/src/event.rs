@@ -2,12 +2,17 @@
 
 use cudarc::driver::sys;
 
+use crate::deferred::ErrorSlot;
 use crate::driver::{check, init, Stream};
 use crate::error::Result;
 
 /// An event created with `CU_EVENT_DISABLE_TIMING` (the cheapest kind) in the current context.
 #[derive(Debug)]
-pub struct Event(sys::CUevent);
+pub struct Event {
+    ev: sys::CUevent,
+    /// Where a failure to destroy it goes.
+    errors: ErrorSlot,
+}
 
 // SAFETY: a CUevent is a driver handle; the driver API is thread-safe and the handle may be used
 // from any thread whose current context is the one it was created in (always the primary one here).
@@ -16,8 +21,9 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
-    /// Creates an event in the calling thread's current context.
-    pub fn new() -> Result<Self> {
+    /// Creates an event in the calling thread's current context; a failure to destroy it is
+    /// recorded in `errors`.
+    pub fn new(errors: &ErrorSlot) -> Result<Self> {
         init()?;
         let mut ev: sys::CUevent = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint;
@@ -27,7 +33,10 @@ impl Event {
             "cuEventCreate",
             "creating an event",
         )?;
-        Ok(Self(ev))
+        Ok(Self {
+            ev,
+            errors: errors.clone(),
+        })
     }
 
     /// Records the event on `stream`: it completes when the work queued so far on it completes.
@@ -35,7 +44,7 @@ impl Event {
         // SAFETY: the event is live; `Stream` holds 0 or a live stream of this context
         // (`Stream::from_raw`'s contract).
         check(
-            unsafe { sys::cuEventRecord(self.0, stream.raw()) },
+            unsafe { sys::cuEventRecord(self.ev, stream.raw()) },
             "cuEventRecord",
             "recording an event",
         )
@@ -45,7 +54,7 @@ impl Event {
     pub fn wait_on(&self, stream: Stream) -> Result<()> {
         // SAFETY: as for `record`.
         check(
-            unsafe { sys::cuStreamWaitEvent(stream.raw(), self.0, 0) },
+            unsafe { sys::cuStreamWaitEvent(stream.raw(), self.ev, 0) },
             "cuStreamWaitEvent",
             "ordering streams",
         )
@@ -54,7 +63,7 @@ impl Event {
     /// Whether the last record has completed (an event never recorded counts as complete).
     pub fn query(&self) -> Result<bool> {
         // SAFETY: the event is live.
-        let code = unsafe { sys::cuEventQuery(self.0) };
+        let code = unsafe { sys::cuEventQuery(self.ev) };
         if code == sys::CUresult::CUDA_ERROR_NOT_READY {
             return Ok(false);
         }
@@ -65,7 +74,7 @@ impl Event {
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: the event is live.
         check(
-            unsafe { sys::cuEventSynchronize(self.0) },
+            unsafe { sys::cuEventSynchronize(self.ev) },
             "cuEventSynchronize",
             "waiting for an event",
         )
@@ -74,10 +83,10 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // SAFETY: the event is live and dropped once; errors here cannot be returned and are logged.
-        let code = unsafe { sys::cuEventDestroy_v2(self.0) };
-        if code != sys::CUresult::CUDA_SUCCESS {
-            tracing::warn!("cuEventDestroy failed: {code:?}");
+        // SAFETY: the event is live and dropped once.
+        let code = unsafe { sys::cuEventDestroy_v2(self.ev) };
+        if let Err(e) = check(code, "cuEventDestroy", "destroying an event") {
+            self.errors.record("destroying an event", e);
         }
     }
 }

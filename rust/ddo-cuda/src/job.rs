@@ -21,6 +21,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use ddo_core::ReadChunk;
 
+use crate::deferred::ErrorSlot;
 use crate::driver::{check, Stream};
 use crate::error::{CudaError, Result};
 use crate::event::Event;
@@ -316,9 +317,19 @@ pub(crate) struct CudaLane {
 }
 
 impl CudaLane {
-    /// Creates the events of `slots` slots and `buffers` staging buffers in the current context.
-    pub fn new(copy_stream: Stream, slots: usize, buffers: usize) -> Result<Self> {
-        let mk = |n: usize| (0..n).map(|_| Event::new()).collect::<Result<Vec<_>>>();
+    /// Creates the events of `slots` slots and `buffers` staging buffers in the current context
+    /// (failures to destroy them go to `errors`).
+    pub fn new(
+        copy_stream: Stream,
+        slots: usize,
+        buffers: usize,
+        errors: &ErrorSlot,
+    ) -> Result<Self> {
+        let mk = |n: usize| {
+            (0..n)
+                .map(|_| Event::new(errors))
+                .collect::<Result<Vec<_>>>()
+        };
         Ok(Self {
             copy_stream,
             slots: SlotEvents {

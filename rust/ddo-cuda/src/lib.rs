@@ -12,6 +12,7 @@
 //! wrapping ranges are refused with an error rather than trusted. This crate never frees memory it
 //! did not allocate.
 
+mod deferred;
 mod driver;
 mod error;
 mod event;
@@ -22,6 +23,7 @@ mod readpool;
 mod stager;
 mod transport;
 
+pub use deferred::{take_deferred_error, ErrorSlot};
 pub use driver::{
     bind_context, device_count, driver_version, init, make_current, unavailable_reason,
     ContextGuard, Stream,

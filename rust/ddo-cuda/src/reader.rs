@@ -114,10 +114,8 @@ impl ReadFile {
             match unsafe { self.read_piece(true, offset, n, want, dst) } {
                 Ok(()) => return Ok(()),
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    tracing::info!(
-                        "O_DIRECT reads of {} refused ({e}); reading it through the page cache",
-                        self.path.display()
-                    );
+                    // not an error: reads of this file go through the page cache from now on,
+                    // which `is_direct` (the report's `direct` flag) tells
                     self.direct_ok.store(false, Ordering::Relaxed);
                 }
                 Err(e) => return Err(read_err(&self.path, "reading", e)),
@@ -261,7 +259,7 @@ fn measure_in_windows(
     }
     let len = needed.div_ceil(ALIGN) * ALIGN;
     let window = window.div_ceil(ALIGN) * ALIGN;
-    let buf = HostBuffer::new(len.min(window), false)?;
+    let buf = HostBuffer::new(len.min(window), false, &crate::ErrorSlot::default())?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .build()
@@ -303,7 +301,7 @@ pub(crate) mod tests {
         let (path, data) = temp_file(if direct { "d" } else { "b" }, len);
         let f = ReadFile::open(&path, direct).unwrap();
         let padded = len.div_ceil(ALIGN) * ALIGN;
-        let buf = HostBuffer::new(padded, false).unwrap();
+        let buf = HostBuffer::new(padded, false, &crate::ErrorSlot::default()).unwrap();
         // SAFETY (the three reads): each destination holds the bytes read and outlives the call.
         unsafe { f.read_chunk(0, padded, len, buf.ptr()) }.unwrap();
         // SAFETY: the buffer holds `padded` >= `len` initialised bytes (an anonymous mapping).

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use crate::deferred::ErrorSlot;
 use crate::error::{CudaError, Result};
 use crate::reader::{chunk_is_aligned, ReadFile, PIECE};
 
@@ -116,14 +117,17 @@ struct Shared {
 pub(crate) struct ReadPool {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    /// Where a reader that panicked is recorded when the pool is dropped.
+    errors: ErrorSlot,
 }
 
 impl ReadPool {
-    pub fn new(threads: usize) -> Result<Self> {
+    pub fn new(threads: usize, errors: &ErrorSlot) -> Result<Self> {
         let shared = Arc::new(Shared::default());
         let mut pool = Self {
             shared,
             threads: Vec::new(),
+            errors: errors.clone(),
         };
         for i in 0..threads.max(1) {
             let shared = Arc::clone(&pool.shared);
@@ -189,7 +193,8 @@ impl Drop for ReadPool {
         self.shared.cv.notify_all();
         for t in self.threads.drain(..) {
             if t.join().is_err() {
-                tracing::warn!("a reader thread panicked");
+                self.errors
+                    .record("joining the reader threads", "a reader thread panicked");
             }
         }
     }
@@ -239,7 +244,7 @@ mod tests {
         let (path, data) = temp_file("pool-exact", len);
         let file = Arc::new(ReadFile::open(&path, true).unwrap());
         let wake = Arc::new(Wake::default());
-        let pool = ReadPool::new(3).unwrap();
+        let pool = ReadPool::new(3, &ErrorSlot::default()).unwrap();
         // three chunks queued at once: aligned (direct where allowed) and unaligned (buffered)
         let spans = [
             (0u64, 2 * PIECE),
@@ -248,7 +253,9 @@ mod tests {
         ];
         let bufs: Vec<HostBuffer> = spans
             .iter()
-            .map(|&(_, n)| HostBuffer::new(n.div_ceil(ALIGN) * ALIGN, false).unwrap())
+            .map(|&(_, n)| {
+                HostBuffer::new(n.div_ceil(ALIGN) * ALIGN, false, &ErrorSlot::default()).unwrap()
+            })
             .collect();
         let reads: Vec<_> = spans
             .iter()
@@ -277,8 +284,8 @@ mod tests {
         let (path, _) = temp_file("pool-short", PIECE + 100);
         let file = Arc::new(ReadFile::open(&path, true).unwrap());
         let wake = Arc::new(Wake::default());
-        let pool = ReadPool::new(2).unwrap();
-        let buf = HostBuffer::new(3 * PIECE, false).unwrap();
+        let pool = ReadPool::new(2, &ErrorSlot::default()).unwrap();
+        let buf = HostBuffer::new(3 * PIECE, false, &ErrorSlot::default()).unwrap();
         let seen = wake.seq();
         // SAFETY: the buffer holds the chunk and outlives the read (waited for below).
         let r = unsafe { pool.read_chunk(&file, 0, 3 * PIECE, 3 * PIECE, buf.ptr(), &wake) };
@@ -294,8 +301,8 @@ mod tests {
         let (path, _) = temp_file("pool-drop", 8 * PIECE);
         let file = Arc::new(ReadFile::open(&path, true).unwrap());
         let wake = Arc::new(Wake::default());
-        let pool = ReadPool::new(1).unwrap();
-        let buf = HostBuffer::new(8 * PIECE, false).unwrap();
+        let pool = ReadPool::new(1, &ErrorSlot::default()).unwrap();
+        let buf = HostBuffer::new(8 * PIECE, false, &ErrorSlot::default()).unwrap();
         // SAFETY: the buffer holds the chunk and outlives the pool, whose drop finishes the read.
         let r = unsafe { pool.read_chunk(&file, 0, 8 * PIECE, 8 * PIECE, buf.ptr(), &wake) };
         drop(pool); // joins the reader after the queue is empty: the buffer is no longer written

@@ -25,6 +25,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
+use crate::deferred::ErrorSlot;
 use crate::driver::make_current;
 use crate::error::{CudaError, Result};
 use crate::host::{copy_host, HostBuffer};
@@ -44,6 +45,8 @@ struct Shared {
 }
 
 pub(crate) struct Stager {
+    /// The transport's slot: a worker that panicked, uploads that could not be waited for.
+    errors: ErrorSlot,
     tx: Option<mpsc::Sender<Job>>,
     shared: Arc<Shared>,
     wake: Arc<Wake>,
@@ -71,7 +74,12 @@ impl Ring {
 impl Stager {
     /// Allocates the ring on the calling thread (whose current context is the target's) and starts
     /// the worker thread, which queues every job on `lane` (whose events include one per buffer).
-    pub fn start(target: Target, lane: Arc<dyn Lane>, staging: Staging) -> Result<Self> {
+    pub fn start(
+        target: Target,
+        lane: Arc<dyn Lane>,
+        staging: Staging,
+        errors: &ErrorSlot,
+    ) -> Result<Self> {
         if staging.buffers == 0 || staging.buffer_bytes == 0 {
             return Err(CudaError::InvalidArgument(format!(
                 "a staging ring needs at least one buffer of at least one byte, got {} x {} bytes",
@@ -84,6 +92,7 @@ impl Stager {
             buffers.push(HostBuffer::new(
                 staging.buffer_bytes,
                 cuda && staging.pinned,
+                errors,
             )?);
         }
         let ring = Ring {
@@ -101,11 +110,26 @@ impl Stager {
         let worker_shared = Arc::clone(&shared);
         let wake = Arc::new(Wake::default());
         let worker_wake = Arc::clone(&wake);
+        let worker_errors = errors.clone();
         let thread = std::thread::Builder::new()
             .name("ddo-stager".into())
-            .spawn(move || worker(target, lane, ring, pool, rx, worker_shared, worker_wake))
+            .spawn(move || {
+                let p = Pipeline {
+                    lane,
+                    errors: worker_errors,
+                    reads: None,
+                    wake: Arc::clone(&worker_wake),
+                    free: (0..ring.buffers.len()).collect(),
+                    ring,
+                    pool,
+                    steps: Default::default(),
+                    cursor: None,
+                };
+                worker(target, p, rx, worker_shared, worker_wake)
+            })
             .map_err(|e| CudaError::Staging(format!("cannot start the staging thread: {e}")))?;
         Ok(Self {
+            errors: errors.clone(),
             tx: Some(tx),
             shared,
             wake,
@@ -160,7 +184,8 @@ impl Drop for Stager {
         self.wake.bump();
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
-                tracing::warn!("the staging thread panicked");
+                self.errors
+                    .record("joining the staging thread", "the staging thread panicked");
             }
         }
     }
@@ -185,6 +210,8 @@ enum Step {
 /// are queued in order as the reads finish.
 struct Pipeline {
     lane: Arc<dyn Lane>,
+    /// The transport's slot, for what the pipeline cannot return (at shutdown).
+    errors: ErrorSlot,
     /// File reads, started with the first file chunk; dropped (joined) before the ring.
     reads: Option<ReadPool>,
     wake: Arc<Wake>,
@@ -265,7 +292,10 @@ impl Pipeline {
             self.free.pop_front();
             if self.reads.is_none() {
                 // as many readers as the ring's copy threads (the preset's staging threads)
-                self.reads = Some(ReadPool::new(self.pool.current_num_threads())?);
+                self.reads = Some(ReadPool::new(
+                    self.pool.current_num_threads(),
+                    &self.errors,
+                )?);
             }
             let (file, chunk) = &unit.chunks[index];
             let read = self.reads.as_ref().map(|r| {
@@ -428,9 +458,7 @@ fn publish(shared: &Shared, done: u64, failed: &Option<CudaError>) {
 
 fn worker(
     target: Target,
-    lane: Arc<dyn Lane>,
-    ring: Ring,
-    pool: rayon::ThreadPool,
+    mut p: Pipeline,
     rx: mpsc::Receiver<Job>,
     shared: Arc<Shared>,
     wake: Arc<Wake>,
@@ -440,17 +468,6 @@ fn worker(
         Target::Cpu => Ok(()),
     };
     let mut failed = setup.err();
-    let free = (0..ring.buffers.len()).collect();
-    let mut p = Pipeline {
-        lane,
-        reads: None,
-        wake: Arc::clone(&wake),
-        ring,
-        pool,
-        steps: Default::default(),
-        cursor: None,
-        free,
-    };
     let (mut received, mut done, mut open) = (0u64, 0u64, true);
     // An error met while starting a later job's reads belongs to that job: the older steps
     // already queued finish first, so their waiters do not see it.
@@ -502,7 +519,8 @@ fn worker(
     // Uploads from the ring may still be in flight: finish them before the buffers are unmapped.
     for b in 0..p.ring.buffers.len() {
         if let Err(e) = p.lane.wait_uploaded(b) {
-            tracing::warn!("waiting for staging uploads at shutdown: {e}");
+            p.errors
+                .record("waiting for the staging ring's uploads at shutdown", e);
         }
     }
 }

@@ -11,6 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::deferred::ErrorSlot;
 use crate::driver::{bind_context, ContextGuard, Stream};
 use crate::error::{CudaError, Result};
 use crate::job::{
@@ -32,6 +33,9 @@ pub struct TransportStats {
     pub disk_bytes: u64,
 }
 
+/// Field order is drop order: the lane (whose last holder may be the staging thread) and the
+/// staging ring go before the files, and all before `errors`, which receives what their teardown
+/// could not return.
 pub struct Transport {
     target: Target,
     slots: usize,
@@ -43,6 +47,9 @@ pub struct Transport {
     stats: TransportStats,
     files: Vec<Arc<ReadFile>>,
     file_units: Vec<Arc<FileUnit>>,
+    /// Shared with the events, the ring and its threads; checked by every call that fetches or
+    /// orders, returned by [`Transport::close`], passed to the process slot when dropped.
+    errors: ErrorSlot,
 }
 
 impl Transport {
@@ -55,22 +62,24 @@ impl Transport {
             Target::Cuda { ordinal, .. } => Some(bind_context(ordinal)?),
             Target::Cpu => None,
         };
+        let errors = ErrorSlot::child_of(ErrorSlot::process());
         let lane: Arc<dyn Lane> = match target {
             Target::Cuda { copy_stream, .. } => {
                 let buffers = staging.map_or(0, |s| s.buffers);
-                Arc::new(CudaLane::new(copy_stream, slots, buffers)?)
+                Arc::new(CudaLane::new(copy_stream, slots, buffers, &errors)?)
             }
             Target::Cpu => Arc::new(CpuLane),
         };
-        Self::with_lane(target, slots, staging, lane)
+        Self::with_lane(target, slots, staging, lane, errors)
     }
 
-    /// [`Transport::new`] on a given lane (tests record what the lane is asked for).
+    /// [`Transport::new`] on a given lane and error slot (tests record what the lane is asked for).
     pub(crate) fn with_lane(
         target: Target,
         slots: usize,
         staging: Option<Staging>,
         lane: Arc<dyn Lane>,
+        errors: ErrorSlot,
     ) -> Result<Self> {
         check_config(slots, staging.as_ref())?;
         let mut pending = Vec::new();
@@ -79,7 +88,7 @@ impl Transport {
             .map_err(|_| CudaError::OutOfMemory(format!("listing {slots} slots")))?;
         pending.resize(slots, 0);
         let stager = match staging {
-            Some(cfg) => Some(Stager::start(target, Arc::clone(&lane), cfg)?),
+            Some(cfg) => Some(Stager::start(target, Arc::clone(&lane), cfg, &errors)?),
             None => None,
         };
         Ok(Self {
@@ -92,6 +101,7 @@ impl Transport {
             stats: TransportStats::default(),
             files: Vec::new(),
             file_units: Vec::new(),
+            errors,
         })
     }
 
@@ -131,6 +141,7 @@ impl Transport {
     /// the copy completed: until [`Transport::drain`] returns (or, for `dst`, until work ordered
     /// after [`Transport::acquire`] of the slot reads it).
     pub unsafe fn fetch(&mut self, slot: usize, dst: usize, src: usize, n: usize) -> Result<()> {
+        self.errors.check()?;
         self.check_slot(slot)?;
         crate::host::check_host_range("fetch destination", dst, n)?;
         crate::host::check_host_range("fetch source", src, n)?;
@@ -226,6 +237,7 @@ impl Transport {
     /// span (the end of its farthest piece), allocated and untouched by anyone else until the
     /// copies completed ([`Transport::drain`]).
     pub unsafe fn fetch_file(&mut self, slot: usize, dst: usize, unit: usize) -> Result<()> {
+        self.errors.check()?;
         self.check_slot(slot)?;
         let fu = self.file_units.get(unit).cloned().ok_or_else(|| {
             CudaError::InvalidArgument(format!(
@@ -247,6 +259,7 @@ impl Transport {
 
     /// Makes `compute_stream` wait until the last fetch into `slot` has landed.
     pub fn acquire(&mut self, slot: usize, compute_stream: Stream) -> Result<()> {
+        self.errors.check()?;
         self.check_slot(slot)?;
         if let Some(stager) = self.stager.as_ref() {
             let t0 = Instant::now();
@@ -260,6 +273,7 @@ impl Transport {
 
     /// Marks `slot` as consumed by the work queued so far on `compute_stream`.
     pub fn release(&mut self, slot: usize, compute_stream: Stream) -> Result<()> {
+        self.errors.check()?;
         self.check_slot(slot)?;
         let _ctx = self.bind()?;
         self.lane.release(slot, compute_stream)
@@ -274,7 +288,20 @@ impl Transport {
         };
         let _ctx = self.bind()?;
         self.lane.synchronize()?;
-        staged
+        staged?;
+        self.errors.check()
+    }
+
+    /// Drains, then frees the events, the staging ring and its threads, and returns the first
+    /// error of all that: the drain's, or one their teardown met (which `Drop` cannot return; see
+    /// [`crate::ErrorSlot`]). Dropping a transport without `close` passes such errors to the
+    /// process slot ([`crate::take_deferred_error`]).
+    pub fn close(mut self) -> Result<()> {
+        let drained = self.drain();
+        let errors = self.errors.clone();
+        drop(self); // joins the staging thread, destroys the events: failures land in `errors`
+        drained?;
+        errors.check()
     }
 }
 
@@ -548,7 +575,8 @@ mod tests {
         for staging in [None, Some(ring(false)), Some(ring(true))] {
             let rec = Arc::new(Recorder::default());
             let lane: Arc<dyn Lane> = rec.clone();
-            let mut t = Transport::with_lane(Target::Cpu, 3, staging, lane).unwrap();
+            let errors = ErrorSlot::default();
+            let mut t = Transport::with_lane(Target::Cpu, 3, staging, lane, errors).unwrap();
             let file = staging.map(|_| {
                 t.open_file(&path, true).unwrap();
                 let piece = |offset, len, dst| ddo_core::ReadPiece {
@@ -625,6 +653,110 @@ mod tests {
             drop(t);
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A CPU lane whose teardown fails, as destroying a CUDA event can.
+    struct FailsOnDrop(ErrorSlot);
+
+    impl Lane for FailsOnDrop {
+        fn stream(&self) -> Option<Stream> {
+            None
+        }
+        fn wait_consumed(&self, slot: usize) -> Result<()> {
+            CpuLane.wait_consumed(slot)
+        }
+        unsafe fn copy(&self, dst: usize, src: usize, n: usize) -> Result<()> {
+            // SAFETY: the caller upholds `Lane::copy`'s contract.
+            unsafe { CpuLane.copy(dst, src, n) }
+        }
+        fn record_uploaded(&self, buffer: usize) -> Result<()> {
+            CpuLane.record_uploaded(buffer)
+        }
+        fn wait_uploaded(&self, buffer: usize) -> Result<()> {
+            CpuLane.wait_uploaded(buffer)
+        }
+        fn record_arrived(&self, slot: usize) -> Result<()> {
+            CpuLane.record_arrived(slot)
+        }
+        fn acquire(&self, slot: usize, compute: Stream) -> Result<()> {
+            CpuLane.acquire(slot, compute)
+        }
+        fn release(&self, slot: usize, compute: Stream) -> Result<()> {
+            CpuLane.release(slot, compute)
+        }
+        fn synchronize(&self) -> Result<()> {
+            CpuLane.synchronize()
+        }
+    }
+
+    impl Drop for FailsOnDrop {
+        fn drop(&mut self) {
+            self.0
+                .record("destroying an event", "CUDA_ERROR_INVALID_CONTEXT (test)");
+        }
+    }
+
+    fn small_ring() -> Staging {
+        Staging {
+            buffers: 2,
+            buffer_bytes: 4096,
+            threads: 1,
+            pinned: false,
+            stage_host: true,
+        }
+    }
+
+    #[test]
+    fn an_error_recorded_where_it_could_not_be_returned_fails_the_next_call_once() {
+        let parent = ErrorSlot::default();
+        let mut t = Transport::with_lane(
+            Target::Cpu,
+            2,
+            None,
+            Arc::new(CpuLane),
+            ErrorSlot::child_of(&parent),
+        )
+        .unwrap();
+        let src = [5u8; 64];
+        let mut slot = [0u8; 64];
+        t.errors
+            .record("destroying an event", "CUDA_ERROR_UNKNOWN (test)");
+        let err = t.acquire(0, Stream::DEFAULT).unwrap_err();
+        assert!(matches!(err, CudaError::Deferred(_)), "{err}");
+        assert!(err.to_string().contains("destroying an event"), "{err}");
+        // reported once: the pipeline goes on
+        // SAFETY: two live, disjoint 64-byte arrays, kept past the close.
+        unsafe { t.fetch(0, slot.as_mut_ptr() as usize, src.as_ptr() as usize, 64) }.unwrap();
+        t.acquire(0, Stream::DEFAULT).unwrap();
+        assert_eq!(slot, src);
+        t.close().unwrap();
+        assert!(parent.take().is_none());
+    }
+
+    #[test]
+    fn close_returns_what_the_teardown_could_not() {
+        for staging in [None, Some(small_ring())] {
+            let parent = ErrorSlot::default();
+            let errors = ErrorSlot::child_of(&parent);
+            let lane = Arc::new(FailsOnDrop(errors.clone()));
+            let t = Transport::with_lane(Target::Cpu, 2, staging, lane, errors).unwrap();
+            // with a ring, the staging thread holds the lane last: close joins it first
+            let err = t.close().unwrap_err();
+            assert!(matches!(err, CudaError::Deferred(_)), "{staging:?}: {err}");
+            assert!(err.to_string().contains("INVALID_CONTEXT"), "{err}");
+            assert!(parent.take().is_none(), "taken by close, not passed on");
+        }
+    }
+
+    #[test]
+    fn a_transport_dropped_without_close_passes_its_errors_to_the_process_slot() {
+        let parent = ErrorSlot::default(); // stands for the process slot
+        let errors = ErrorSlot::child_of(&parent);
+        let lane = Arc::new(FailsOnDrop(errors.clone()));
+        let t = Transport::with_lane(Target::Cpu, 2, Some(small_ring()), lane, errors).unwrap();
+        drop(t);
+        let err = parent.take().unwrap();
+        assert!(err.to_string().contains("destroying an event"), "{err}");
     }
 
     #[test]

@@ -5,6 +5,14 @@ use pyo3::prelude::*;
 
 use crate::errors::{cuda_err, ConfigError};
 
+/// The message of an error that could not be raised where it happened (unregistering host memory,
+/// restoring a context, freeing a transport that was not closed), or None; taking it clears it.
+/// Otherwise the next call that binds a CUDA context raises it.
+#[pyfunction]
+fn take_deferred_error() -> Option<String> {
+    ddo_cuda::take_deferred_error().map(|e| e.to_string())
+}
+
 /// Why CUDA cannot be used in this process, or None when it can.
 #[pyfunction]
 fn cuda_unavailable_reason() -> Option<String> {
@@ -59,7 +67,13 @@ impl HostRegistration {
                 // SAFETY: `ptr` and `nbytes` describe the CPU storage of `owner` (a tensor the
                 // caller allocated for this), and this object keeps `owner` alive until the range
                 // is unregistered (`close` drops the registration before the owner).
-                unsafe { ddo_cuda::HostRegistration::register(ptr, nbytes) }
+                unsafe {
+                    ddo_cuda::HostRegistration::register(
+                        ptr,
+                        nbytes,
+                        ddo_cuda::ErrorSlot::process(),
+                    )
+                }
             })
             .map_err(cuda_err)?;
         Ok(Self {
@@ -79,7 +93,9 @@ impl HostRegistration {
         self.inner.is_some()
     }
 
-    /// Unregisters the range (idempotent) and drops the reference to the owner.
+    /// Unregisters the range (idempotent) and drops the reference to the owner. A failure to
+    /// unregister cannot be raised here: it is kept for `take_deferred_error()` and raised by the
+    /// next call that binds a CUDA context.
     fn close(&mut self, py: Python<'_>) {
         let inner = self.inner.take();
         py.detach(move || drop(inner));
@@ -243,12 +259,11 @@ impl Transport {
         Ok((s.fetches, s.bytes, s.host_wait_ns as f64 * 1e-9))
     }
 
-    /// Drains outstanding copies and frees events and the staging ring (idempotent).
+    /// Drains outstanding copies and frees events and the staging ring (idempotent). Raises the
+    /// drain's error, or one that freeing them met (a `CudaError` saying it was deferred).
     fn close(&mut self, py: Python<'_>) -> PyResult<()> {
-        if let Some(mut t) = self.inner.take() {
-            let drained = py.detach(|| t.drain());
-            py.detach(move || drop(t));
-            drained.map_err(cuda_err)?;
+        if let Some(t) = self.inner.take() {
+            py.detach(move || t.close()).map_err(cuda_err)?;
         }
         Ok(())
     }
@@ -256,6 +271,7 @@ impl Transport {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_unavailable_reason, m)?)?;
+    m.add_function(wrap_pyfunction!(take_deferred_error, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_version, m)?)?;
     m.add_function(wrap_pyfunction!(copy_host_many, m)?)?;
