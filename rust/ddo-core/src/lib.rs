@@ -11,8 +11,7 @@
 //!   discrete-event model of a copy stream and a compute stream;
 //! - [`cache`]: the NVMe route's RAM cache (which streamed units stay in
 //!   host RAM, the rest re-read from disk every pass), and [`reads`]: the
-//!   coalesced, aligned read plan of a unit streamed from files;
-//! - [`metrics`]: lock-free transfer counters.
+//!   coalesced, aligned read plan of a unit streamed from files.
 //!
 //! Every fallible function returns [`Result`] with a [`CoreError`] whose
 //! message names the file, tensor or number at fault; nothing panics on bad
@@ -26,7 +25,6 @@ pub mod dtype;
 pub mod error;
 pub mod index;
 pub mod layout;
-pub mod metrics;
 pub mod planner;
 pub mod reads;
 pub mod simulate;
@@ -39,7 +37,6 @@ pub use index::{parse_header, read_shard_index, Header, SafetensorsIndex, Tensor
 pub use layout::{
     align_up, layout_slabs, layout_unit, SlabLayout, UnitLayout, UnitPlacement, ALIGN,
 };
-pub use metrics::{Counters, CountersSnapshot};
 pub use planner::{minimum_budget, plan, plan_counted, MinimumBudget, Plan, PlanRequest};
 pub use reads::{plan_reads, ChunkCopy, ReadChunk, ReadPiece};
 pub use simulate::{check_sim_inputs, simulate, simulate_disk, SimResult, MAX_PASSES, MAX_SLOTS};

@@ -237,18 +237,6 @@ pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, usize)> {
             }
         }
     }
-    if let Some(p) = &best {
-        tracing::debug!(
-            slots = p.slots,
-            slot_bytes = p.slot_bytes,
-            resident_units = p.resident.iter().filter(|r| **r).count(),
-            streamed_bytes = p.streamed_bytes,
-            gpu_bytes = p.gpu_bytes,
-            predicted_step_s = p.predicted_step_s,
-            bound_s = p.bound_s,
-            "offload plan chosen"
-        );
-    }
     best.map(|p| (p, simulations)).ok_or_else(|| {
         CoreError::InvalidPlanRequest(format!(
             "no plan fits budget {budget} bytes although the minimum is {} bytes",
