@@ -28,6 +28,33 @@ def take_deferred_error() -> str | None:
     restoring a CUDA context, freeing a transport that was never closed), or None; taking it clears it.
     Left untaken, the next call that binds a CUDA context raises it as a CudaError."""
 
+# kernels compiled at run time (NVRTC, loaded like the driver)
+def nvrtc_unavailable_reason() -> str | None: ...
+def nvrtc_version() -> tuple[int, int]: ...
+
+class CudaKernel:
+    """CUDA C ``source`` compiled with NVRTC for ``device``'s compute capability (plus ``options``),
+    loaded in its primary context; ``name`` is an ``extern "C" __global__`` function of it.
+    CudaNotAvailableError without a driver or NVRTC; CudaError with NVRTC's log if it does not compile."""
+
+    def __init__(self, source: str, name: str, device: int = 0, options: Sequence[str] = ()) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def device(self) -> int: ...
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[tuple[str, int | float]],
+        stream: int,
+        shared_mem_bytes: int = 0,
+    ) -> None:
+        """Queues the kernel on ``stream`` (a ``torch.cuda.Stream.cuda_stream`` on its device) and returns.
+        ``args`` are ``(kind, value)`` with kind "ptr", "u64", "i64", "u32", "i32", "f32" or "f64", matching
+        the kernel's parameters. Unchecked contract: every "ptr" is the data pointer of a CUDA tensor on
+        the device that holds what the kernel touches and stays alive until the stream has run it."""
+
 # host memory and files
 def copy_host_many(jobs: Sequence[tuple[int, int, int]]) -> None:
     """``(dst, src, nbytes)`` host copies in parallel, GIL released; ConfigError, before any copy, for a

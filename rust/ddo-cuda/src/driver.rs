@@ -126,6 +126,13 @@ pub struct ContextGuard {
 pub fn bind_context(ordinal: usize) -> Result<ContextGuard> {
     init()?;
     ErrorSlot::process().check()?;
+    bind_primary(ordinal)
+}
+
+/// [`bind_context`] without the check of the process slot: for `Drop`, which must not take an
+/// error that belongs to the next caller.
+pub(crate) fn bind_primary(ordinal: usize) -> Result<ContextGuard> {
+    init()?;
     let ctx = primary_context(ordinal)?;
     let mut current: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: valid out-pointer.
@@ -201,6 +208,40 @@ fn primary_context(ordinal: usize) -> Result<usize> {
     )?;
     map.insert(ordinal, ctx as usize);
     Ok(ctx as usize)
+}
+
+/// The compute capability `(major, minor)` of device `ordinal`, e.g. `(9, 0)` for an H100/H200.
+pub fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
+    init()?;
+    device_count().and_then(|count| {
+        if ordinal >= count {
+            return Err(CudaError::InvalidArgument(format!(
+                "CUDA device {ordinal} does not exist; this machine has {count} device(s)"
+            )));
+        }
+        Ok(())
+    })?;
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: valid out-pointer; ordinal checked above.
+    check(
+        unsafe { sys::cuDeviceGet(&mut dev, ordinal as std::ffi::c_int) },
+        "cuDeviceGet",
+        "opening the device",
+    )?;
+    let attr = |a: sys::CUdevice_attribute| -> Result<i32> {
+        let mut v: std::ffi::c_int = 0;
+        // SAFETY: valid out-pointer and device handle.
+        check(
+            unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) },
+            "cuDeviceGetAttribute",
+            "reading the compute capability",
+        )?;
+        Ok(v)
+    };
+    Ok((
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
 }
 
 /// Turns a driver result code into a [`CudaError`], naming the call and what it was doing.

@@ -25,6 +25,9 @@ pub enum CudaError {
     /// The background staging thread stopped.
     #[error("staging thread failed: {0}")]
     Staging(String),
+    /// A kernel did not compile (NVRTC's log) or its PTX could not be loaded.
+    #[error("compiling a CUDA kernel failed: {0}")]
+    Compile(String),
     /// An error met where it could not be returned (in `Drop`, at a thread's shutdown), returned by
     /// the next fallible call (see [`crate::ErrorSlot`]).
     #[error(

@@ -18,6 +18,7 @@ mod error;
 mod event;
 mod host;
 mod job;
+pub mod kernel;
 mod reader;
 mod readpool;
 mod stager;
@@ -25,8 +26,8 @@ mod transport;
 
 pub use deferred::{take_deferred_error, ErrorSlot};
 pub use driver::{
-    bind_context, device_count, driver_version, init, make_current, unavailable_reason,
-    ContextGuard, Stream,
+    bind_context, compute_capability, device_count, driver_version, init, make_current,
+    unavailable_reason, ContextGuard, Stream,
 };
 pub use error::{CudaError, Result};
 pub use event::Event;

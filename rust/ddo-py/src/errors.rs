@@ -96,8 +96,9 @@ pub(crate) fn cuda_err(e: RawCudaError) -> PyErr {
         RawCudaError::OutOfMemory(_) => OffloadMemoryError::new_err(msg),
         RawCudaError::InvalidArgument(_) => ConfigError::new_err(msg),
         RawCudaError::Read(_) => CheckpointError::new_err(msg),
-        RawCudaError::Driver { .. } | RawCudaError::Staging(_) | RawCudaError::Deferred(_) => {
-            CudaError::new_err(msg)
-        }
+        RawCudaError::Driver { .. }
+        | RawCudaError::Staging(_)
+        | RawCudaError::Compile(_)
+        | RawCudaError::Deferred(_) => CudaError::new_err(msg),
     }
 }

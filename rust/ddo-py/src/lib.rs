@@ -4,6 +4,7 @@
 
 mod errors;
 mod index;
+mod kernel;
 mod planning;
 mod transport;
 
@@ -16,5 +17,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     planning::register(m)?;
     index::register(m)?;
     transport::register(m)?;
+    kernel::register(m)?;
     Ok(())
 }
