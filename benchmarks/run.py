@@ -341,8 +341,8 @@ def _minimum_budget(meta: Any) -> int | None:
         units, left = split_units(meta)
         base = sum(tensor_nbytes(p) for _, p in left) + sum(tensor_nbytes(b) for b in meta.buffers())
         return _native.minimum_budget(
-            [_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units], base
-        )
+            [_native.layout_unit([tensor_nbytes(p) for _, p in u.params]).nbytes for u in units], base
+        ).bytes
     except Exception as exc:  # noqa: BLE001
         print(f"note: ddo_blocks is not importable here ({exc}); budget 'min' unavailable", file=sys.stderr)
         return None

@@ -125,7 +125,121 @@ class Transport:
     def fetch_file(self, slot: int, dst: int, unit: int) -> None: ...
     def disk_stats(self) -> tuple[int, int]: ...
 
-# planning
+# planning: every result is a frozen class (read-only attributes, __repr__, __eq__; to_dict() for reports)
+class Plan:
+    """The planner's answer: which units stay resident, how many slots stream the rest."""
+
+    @property
+    def resident(self) -> list[bool]:
+        """Per unit: kept resident (True) or streamed."""
+    @property
+    def slots(self) -> int:
+        """0 when nothing streams."""
+    @property
+    def slot_bytes(self) -> int:
+        """The largest streamed unit."""
+    @property
+    def prefetch_depth(self) -> int: ...
+    @property
+    def resident_bytes(self) -> int:
+        """Always-resident bytes plus the resident units."""
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes copied per pass."""
+    @property
+    def gpu_bytes(self) -> int:
+        """``resident_bytes + slots * slot_bytes``, never above the budget."""
+    @property
+    def predicted_step_s(self) -> float:
+        """Simulated steady-state seconds per pass."""
+    @property
+    def bound_s(self) -> float:
+        """Roofline: max(total compute, streamed bytes / link)."""
+    def to_dict(self) -> dict[str, Any]: ...
+
+class RamCachePlan:
+    """The NVMe route's RAM cache: which streamed units stay in host RAM, the rest re-read from disk every pass."""
+
+    @property
+    def cached(self) -> list[bool]: ...
+    @property
+    def from_disk(self) -> list[bool]: ...
+    @property
+    def cached_bytes(self) -> int: ...
+    @property
+    def disk_bytes(self) -> int: ...
+    @property
+    def streamed_bytes(self) -> int: ...
+    @property
+    def predicted_step_s(self) -> float: ...
+    @property
+    def compute_s(self) -> float: ...
+    @property
+    def disk_bound_s(self) -> float: ...
+    @property
+    def link_bound_s(self) -> float: ...
+    @property
+    def bound_s(self) -> float: ...
+    def to_dict(self) -> dict[str, Any]: ...
+
+class MinimumBudget:
+    """The smallest budget that admits a plan (``bytes``) and that plan's footprint."""
+
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def resident_bytes(self) -> int: ...
+    @property
+    def largest_unit(self) -> int:
+        """The slot size; 0 if everything stays resident."""
+    @property
+    def slots(self) -> int: ...
+    def to_dict(self) -> dict[str, Any]: ...
+
+class SimResult:
+    """Timings of the last simulated pass."""
+
+    @property
+    def step_s(self) -> float: ...
+    @property
+    def first_pass_s(self) -> float: ...
+    @property
+    def compute_wait_s(self) -> float: ...
+    @property
+    def link_busy_s(self) -> float: ...
+    def to_dict(self) -> dict[str, Any]: ...
+
+class UnitLayout:
+    """One unit's tensors at 256-byte aligned offsets."""
+
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def nbytes(self) -> int:
+        """The unit's size."""
+    def to_dict(self) -> dict[str, Any]: ...
+
+class UnitPlacement:
+    """Where a unit lies in the slabs."""
+
+    @property
+    def slab(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def to_dict(self) -> dict[str, Any]: ...
+
+class SlabLayout:
+    """Units packed into slabs."""
+
+    @property
+    def slabs(self) -> list[int]:
+        """Each slab's size."""
+    @property
+    def placements(self) -> list[UnitPlacement]:
+        """Per unit, in order."""
+
 def plan(
     unit_bytes: Sequence[int],
     *,
@@ -136,7 +250,7 @@ def plan(
     min_slots: int = 2,
     max_slots: int = 4,
     unit_compute_s: Sequence[float] | None = None,
-) -> dict[str, Any]: ...
+) -> Plan: ...
 def plan_ram_cache(
     unit_bytes: Sequence[int],
     *,
@@ -146,8 +260,8 @@ def plan_ram_cache(
     ram_budget_bytes: int,
     link_bytes_per_s: float,
     disk_bytes_per_s: float,
-) -> dict[str, Any]: ...
-def minimum_budget(unit_bytes: Sequence[int], base_bytes: int, min_slots: int = 2) -> int: ...
+) -> RamCachePlan: ...
+def minimum_budget(unit_bytes: Sequence[int], base_bytes: int, min_slots: int = 2) -> MinimumBudget: ...
 def simulate(
     unit_bytes: Sequence[int],
     unit_compute_s: Sequence[float],
@@ -157,7 +271,6 @@ def simulate(
     passes: int = 3,
     from_disk: Sequence[bool] | None = None,
     disk_bytes_per_s: float | None = None,
-) -> tuple[float, float, float, float]:
-    """``(step_s, first_pass_s, compute_wait_s, link_busy_s)``."""
-def layout_unit(tensor_bytes: Sequence[int]) -> tuple[list[int], int]: ...
-def layout_slabs(unit_bytes: Sequence[int], max_slab_bytes: int) -> tuple[list[int], list[tuple[int, int, int]]]: ...
+) -> SimResult: ...
+def layout_unit(tensor_bytes: Sequence[int]) -> UnitLayout: ...
+def layout_slabs(unit_bytes: Sequence[int], max_slab_bytes: int) -> SlabLayout: ...

@@ -77,8 +77,10 @@ class OffloadHandle:
         return self._removed
 
     @property
-    def plan(self) -> dict[str, Any] | None:
-        """The planner's choice (streaming routes): ``resident`` flags per unit, ``slots``, ..."""
+    def plan(self) -> _native.Plan | None:
+        """The planner's choice (streaming routes), a frozen ``Plan``: ``resident`` flags per unit,
+        ``slots``, ``slot_bytes``, ``gpu_bytes``, ``predicted_step_s``, ... (``to_dict()`` for JSON);
+        None for the other routes."""
         return getattr(self.engine, "plan", None)
 
     @property

@@ -28,7 +28,7 @@ def budgets(module: torch.nn.Module, granularity: str = "block") -> dict[str, in
     """The budgets from 'everything streamed' (the planner's minimum) to 'everything resident'."""
     units, leftovers = split_units(module, granularity)
     base = sum(tensor_nbytes(p) for _, p in leftovers) + sum(tensor_nbytes(b) for b in module.buffers())
-    total = base + sum(_native.layout_unit([tensor_nbytes(p) for _, p in u.params])[1] for u in units)
+    total = base + sum(_native.layout_unit([tensor_nbytes(p) for _, p in u.params]).nbytes for u in units)
     minimum = ddo_blocks.minimum_budget(module, units=granularity)
     return {
         "all_streamed": minimum,

@@ -182,9 +182,9 @@ def test_meaningless_numbers_are_config_errors(call, message):
 
 
 def test_valid_calls_still_work():
-    assert _native.simulate([1, 2], [0.1, 0.1], [False, False], 2, 1e9)[0] > 0
-    assert _native.minimum_budget([100, 100], 10, 1) == 110
-    assert _native.layout_slabs([2**64 - 256, 256], 2**64 - 1)[0] == [2**64 - 256, 256]
+    assert _native.simulate([1, 2], [0.1, 0.1], [False, False], 2, 1e9).step_s > 0
+    assert _native.minimum_budget([100, 100], 10, 1).bytes == 110
+    assert _native.layout_slabs([2**64 - 256, 256], 2**64 - 1).slabs == [2**64 - 256, 256]
     t = _native.Transport("cpu", 0, 1024, 0, (1024, 1, 4, False))
     t.close()
     _native.copy_host_many([(1, 1, 0)])  # zero bytes: nothing to check, nothing copied

@@ -83,20 +83,29 @@ def test_shard_index(tmp_path):
 def test_planner_from_python():
     plan = _native.plan([100, 100, 100, 100], base_bytes=10, budget_bytes=10 + 2 * 100, link_bytes_per_s=1e9,
                         compute_bytes_per_s=1e9)
-    assert plan["slots"] == 2 and plan["resident"] == [False] * 4 and plan["gpu_bytes"] == 210
+    assert plan.slots == 2 and plan.resident == [False] * 4 and plan.gpu_bytes == 210
+    assert plan.slot_bytes == 100 and plan.resident_bytes == 10 and plan.streamed_bytes == 400
+    assert plan.to_dict()["gpu_bytes"] == 210 and set(plan.to_dict()) == {
+        "resident", "slots", "slot_bytes", "prefetch_depth", "resident_bytes", "streamed_bytes", "gpu_bytes",
+        "predicted_step_s", "bound_s"}
+    assert repr(plan).startswith("Plan(resident=[False, False, False, False], slots=2, slot_bytes=100,")
+    with pytest.raises(AttributeError):
+        plan.slots = 3  # frozen
     everything = _native.plan([100, 100], base_bytes=10, budget_bytes=None, link_bytes_per_s=1e9,
                               compute_bytes_per_s=1e9)
-    assert everything["slots"] == 0 and all(everything["resident"])
+    assert everything.slots == 0 and all(everything.resident) and everything != plan
     with pytest.raises(ddo_blocks.BudgetError, match="minimum"):
         _native.plan([100, 100, 100], base_bytes=10, budget_bytes=150, link_bytes_per_s=1e9, compute_bytes_per_s=1e9)
-    assert _native.minimum_budget([100, 100, 100], 10) == 10 + 2 * 100  # two slots of the largest unit
-    assert _native.minimum_budget([100, 50], 10) == 10 + 150  # keeping both is cheaper than two slots
+    two_slots = _native.minimum_budget([100, 100, 100], 10)
+    assert two_slots.bytes == 10 + 2 * 100 and two_slots.slots == 2 and two_slots.largest_unit == 100
+    assert _native.minimum_budget([100, 50], 10).bytes == 10 + 150  # keeping both is cheaper than two slots
 
 
 def test_simulate_with_and_without_a_disk():
     args = ([1 << 20] * 4, [0.0] * 4, [False] * 4, 2, 1e9)
-    link = _native.simulate(*args, 3)[0]
-    disk = _native.simulate(*args, 3, [True] * 4, 1e8)[0]
+    link = _native.simulate(*args, 3).step_s
+    disk = _native.simulate(*args, 3, [True] * 4, 1e8).step_s
+    assert repr(_native.simulate(*args, 3)).startswith("SimResult(step_s=")
     assert disk >= 0.99 * (4 << 20) / 1e8 > link
     for half in (([True] * 4, None), (None, 1e8)):
         with pytest.raises(ddo_blocks.PlanError, match="both from_disk and disk_bytes_per_s"):
@@ -104,12 +113,14 @@ def test_simulate_with_and_without_a_disk():
 
 
 def test_layout_is_aligned_and_exact():
-    offsets, n = _native.layout_unit([10, 0, 300, 7])
-    assert all(o % 256 == 0 for o in offsets)
-    assert n % 256 == 0 and n >= 317
-    sizes, placements = _native.layout_slabs([1000, 2000, 5000], 4096)
-    assert sum(sizes) >= 8000
-    assert all(off % 256 == 0 for _, off, _ in placements)
+    layout = _native.layout_unit([10, 0, 300, 7])
+    assert all(o % 256 == 0 for o in layout.offsets)
+    assert layout.nbytes % 256 == 0 and layout.nbytes >= 317
+    assert repr(layout) == "UnitLayout(offsets=[0, 256, 256, 768], nbytes=1024)"
+    slabs = _native.layout_slabs([1000, 2000, 5000], 4096)
+    assert sum(slabs.slabs) >= 8000
+    assert all(p.offset % 256 == 0 for p in slabs.placements)
+    assert [(p.slab, p.nbytes) for p in slabs.placements] == [(0, 1000), (0, 2000), (1, 5000)]
 
 
 def test_host_transport_roundtrip_direct_and_staged():

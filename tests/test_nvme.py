@@ -252,15 +252,16 @@ def test_presets_and_planner_bindings():
     common = {"unit_compute_s": [0.001] * 4, "resident": [False] * 4, "slots": 2, "link_bytes_per_s": 50e9,
               "disk_bytes_per_s": 5e9}
     none = _native.plan_ram_cache([100 * mib] * 4, ram_budget_bytes=0, **common)
-    assert none["cached"] == [False] * 4 and none["disk_bytes"] == 400 * mib
-    assert none["bound_s"] == pytest.approx(400 * mib / 5e9)
+    assert none.cached == [False] * 4 and none.disk_bytes == 400 * mib
+    assert none.bound_s == pytest.approx(400 * mib / 5e9)
     half = _native.plan_ram_cache([100 * mib] * 4, ram_budget_bytes=200 * mib, **common)
-    assert sum(half["cached"]) == 2 and half["predicted_step_s"] < none["predicted_step_s"]
+    assert sum(half.cached) == 2 and half.predicted_step_s < none.predicted_step_s
+    assert half.to_dict()["cached_bytes"] == 200 * mib
     with pytest.raises(ddo_blocks.PlanError, match="disk_bytes_per_s"):
         _native.plan_ram_cache([1], **{**common, "unit_compute_s": [0.0], "resident": [False], "disk_bytes_per_s": 0.0},
                                ram_budget_bytes=0)
-    step, *_ = _native.simulate([100] * 2, [0.0] * 2, [False] * 2, 2, 100.0, 4, [True, True], 50.0)
-    assert step == pytest.approx(4.0)
+    sim = _native.simulate([100] * 2, [0.0] * 2, [False] * 2, 2, 100.0, 4, [True, True], 50.0)
+    assert sim.step_s == pytest.approx(4.0)
 
 
 def test_native_reader_is_exact_and_reports_truncation(tmp_path):

@@ -45,7 +45,7 @@ def test_non_contiguous_and_expanded_parameters_stay_exact_and_keep_their_stride
     strides = {n: p.stride() for n, p in model.named_parameters()}
     snap = snapshot(model)
     handle = ddo_blocks.offload(model, vram_budget=ddo_blocks.minimum_budget(model), device="cpu")
-    assert handle.plan["slots"] >= 2 and not all(handle.plan["resident"])
+    assert handle.plan.slots >= 2 and not all(handle.plan.resident)
     with torch.no_grad():
         outs = [model(x) for _ in range(3)]
     assert all(torch.equal(o, ref) for o in outs)
@@ -61,7 +61,7 @@ def test_non_contiguous_and_expanded_parameters_stay_exact_and_keep_their_stride
 def _flux_streamed(flux):
     handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux, units="block"), device="cpu",
                                 units="block")
-    assert not all(handle.plan["resident"])
+    assert not all(handle.plan.resident)
     return handle
 
 

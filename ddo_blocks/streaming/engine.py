@@ -67,8 +67,8 @@ class StreamingEngine:
         self.geometry = [[geometry(p) for _, p in u.params] for u in self.streamed]
         """Per streamed unit, its tensors' shapes, strides and dtypes as they were at offload time."""
         layouts = [_native.layout_unit([span_nbytes(g) for g in unit]) for unit in self.geometry]
-        self.offsets = [list(o) for o, _ in layouts]
-        self.layout_bytes = [int(n) for _, n in layouts]
+        self.offsets = [layout.offsets for layout in layouts]
+        self.layout_bytes = [layout.nbytes for layout in layouts]
         self.buffers = [(owner, name, buf) for owner in module.modules() for name, buf in owner._buffers.items()
                         if buf is not None]
         self.orig_device: dict[int, torch.device] = {}
@@ -103,7 +103,7 @@ class StreamingEngine:
                 self.store.build()
             self.pack_s = time.perf_counter() - tp
             if self.streamed:
-                n_slots = max(1, min(int(self.plan["slots"]), len(self.streamed)))
+                n_slots = max(1, min(self.plan.slots, len(self.streamed)))
                 self.slots.build(n_slots, self.offsets, self.layout_bytes, self.geometry)
                 copy_stream = self._copy_stream.cuda_stream if self._copy_stream is not None else 0
                 self.transport = self.store.open_transport(n_slots, self.slots.slot_bytes, self.offsets, copy_stream)
@@ -113,7 +113,7 @@ class StreamingEngine:
             if isinstance(exc, torch.OutOfMemoryError):
                 raise OffloadMemoryError(
                     f"out of GPU memory while setting up the offload of {type(self.module).__name__} "
-                    f"(plan needs {self.plan['gpu_bytes']} bytes on {self.device}); the module was "
+                    f"(plan needs {self.plan.gpu_bytes} bytes on {self.device}); the module was "
                     "restored; pass a smaller vram_budget or free GPU memory"
                 ) from exc
             raise
@@ -311,7 +311,7 @@ class StreamingEngine:
                 host_slabs=len(slabs.slab_sizes) if slabs is not None else 0,
                 host_slab_bytes=slabs.nbytes if slabs is not None else 0,
                 staging_bytes=self.preset.staging_bytes,
-                predicted_step_s=self.plan["predicted_step_s"],
+                predicted_step_s=self.plan.predicted_step_s,
             ),
             "setup": dict(
                 seconds=self.setup_s,

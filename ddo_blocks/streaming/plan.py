@@ -5,7 +5,6 @@ simulator's step time with calibrated compute."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -28,16 +27,16 @@ class UnitPlan:
     """Each unit's size in a slot (its tensors at aligned offsets)."""
     base_bytes: int
     """Always-resident bytes: parameters outside units and every buffer."""
-    native: dict[str, Any]
+    native: _native.Plan
     """The planner's result: ``resident`` flags, ``slots``, ``predicted_step_s``, ..."""
 
     @property
     def streamed(self) -> list[Unit]:
-        return [u for u, r in zip(self.units, self.native["resident"]) if not r]
+        return [u for u, r in zip(self.units, self.native.resident) if not r]
 
     @property
     def resident_units(self) -> list[Unit]:
-        return [u for u, r in zip(self.units, self.native["resident"]) if r]
+        return [u for u, r in zip(self.units, self.native.resident) if r]
 
 
 def check_granularity(units: str) -> str:
@@ -52,7 +51,7 @@ def buffer_bytes(module: nn.Module) -> int:
 
 def unit_sizes(units: list[Unit]) -> list[int]:
     """Each unit's slot size: its tensors, each over the storage it spans, at aligned offsets."""
-    return [_native.layout_unit([span_nbytes(p) for _, p in u.params])[1] for u in units]
+    return [_native.layout_unit([span_nbytes(p) for _, p in u.params]).nbytes for u in units]
 
 
 def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch.device, link: float,
@@ -82,10 +81,10 @@ def choose(module: nn.Module, budget: int | None, device: torch.device, link: fl
         block = _plan(module, "block", budget, device, link, preset)
     except BudgetError:
         return _plan(module, "child", budget, device, link, preset)  # its error, if any, names the lower minimum
-    if block.native["slots"] == 0:
+    if block.native.slots == 0:
         return block  # everything fits: nothing streams
     child = _plan(module, "child", budget, device, link, preset)
-    if len(child.units) > len(block.units) and child.native["predicted_step_s"] < 0.97 * block.native["predicted_step_s"]:
+    if len(child.units) > len(block.units) and child.native.predicted_step_s < 0.97 * block.native.predicted_step_s:
         return child
     return block
 
@@ -97,7 +96,7 @@ def minimum_budget(module: nn.Module, units: str = "auto") -> int:
     for granularity in GRANULARITIES if check_granularity(units) == "auto" else (units,):
         found, leftovers = split_units(module, granularity)
         base = sum(tensor_nbytes(p) for _, p in leftovers) + buffer_bytes(module)
-        need = _native.minimum_budget(unit_sizes(found), base)
+        need = _native.minimum_budget(unit_sizes(found), base).bytes
         best = need if best is None else min(best, need)
     return int(best)
 
@@ -106,7 +105,7 @@ def simulate(unit_plan: UnitPlan, unit_compute_s: list[float], slots: int, link:
              disk: tuple = ()) -> tuple[float, float]:
     """The simulator's steady step and compute wait for this plan with the given compute times
     (``disk``: which units come from disk and the disk's rate, for the NVMe route)."""
-    step, _, wait, _ = _native.simulate(
-        unit_plan.unit_bytes, unit_compute_s, list(unit_plan.native["resident"]), max(slots, 1), link, 4, *disk,
+    sim = _native.simulate(
+        unit_plan.unit_bytes, unit_compute_s, unit_plan.native.resident, max(slots, 1), link, 4, *disk,
     )
-    return step, wait
+    return sim.step_s, sim.compute_wait_s

@@ -106,11 +106,11 @@ class SlabSet:
         self.keep_warm = keep_warm
         self.ordinal = ordinal
         layouts = [_native.layout_unit([span_nbytes(p) for _, p in u.params]) for u in units]
-        self.param_offsets: list[list[int]] = [offs for offs, _ in layouts]
-        self.unit_nbytes: list[int] = [n for _, n in layouts]
-        slab_sizes, placements = _native.layout_slabs(self.unit_nbytes, MAX_SLAB_BYTES)
-        self.slab_sizes: list[int] = slab_sizes
-        self.placement: list[tuple[int, int]] = [(s, off) for s, off, _ in placements]
+        self.param_offsets: list[list[int]] = [layout.offsets for layout in layouts]
+        self.unit_nbytes: list[int] = [layout.nbytes for layout in layouts]
+        slab_layout = _native.layout_slabs(self.unit_nbytes, MAX_SLAB_BYTES)
+        self.slab_sizes: list[int] = slab_layout.slabs
+        self.placement: list[tuple[int, int]] = [(p.slab, p.offset) for p in slab_layout.placements]
         self.slabs: list[Slab] = []
         self.host_views: list[list[torch.Tensor]] = []
         self.reused_warm = False

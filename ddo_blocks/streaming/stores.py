@@ -180,7 +180,7 @@ class FileStore:
         self.ram_budget = ram_budget
         self.disk_bytes_per_s: float | None = None
         self.disk_probe: str | None = None
-        self.cache_plan: dict[str, Any] | None = None
+        self.cache_plan: _native.RamCachePlan | None = None
         self.cached_units: list[Any] = []
         self.disk_units: list[int] = []  # indices into engine.streamed
         self._cache_index: dict[int, int] = {}  # streamed index -> index in the cache's SlabSet
@@ -202,13 +202,13 @@ class FileStore:
         self.cache_plan = _native.plan_ram_cache(
             e.unit_bytes,
             unit_compute_s=[b / compute for b in e.unit_bytes],
-            resident=list(e.plan["resident"]),
-            slots=max(1, int(e.plan["slots"])),
+            resident=e.plan.resident,
+            slots=max(1, e.plan.slots),
             ram_budget_bytes=ram_budget,
             link_bytes_per_s=e.link_bytes_per_s,
             disk_bytes_per_s=self.disk_bytes_per_s,
         )
-        cached = self.cache_plan["cached"]
+        cached = self.cache_plan.cached
         for u, unit in enumerate(e.streamed):
             if cached[unit.index]:
                 self._cache_index[u] = len(self.cached_units)
@@ -362,7 +362,7 @@ class FileStore:
     def sim_args(self) -> tuple:
         if self.disk_bytes_per_s is None:
             return ()
-        from_disk = list(self.cache_plan["from_disk"]) if self.cache_plan else [False] * len(self.engine.units)
+        from_disk = self.cache_plan.from_disk if self.cache_plan else [False] * len(self.engine.units)
         return from_disk, self.disk_bytes_per_s
 
     # -- report ------------------------------------------------------------------------------------
@@ -388,8 +388,8 @@ class FileStore:
                 "disk_units": len(self.disk_units),
                 "disk_bytes": self.disk_bytes,
                 "staging_bytes": self.engine.preset.staging_buffers * self.staging_buffer_bytes,
-                "predicted_step_s": self.cache_plan["predicted_step_s"] if self.cache_plan
-                else self.engine.plan["predicted_step_s"],
+                "predicted_step_s": self.cache_plan.predicted_step_s if self.cache_plan
+                else self.engine.plan.predicted_step_s,
             },
             "setup": {
                 "disk_probe": self.disk_probe,
