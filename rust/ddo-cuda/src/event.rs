@@ -6,7 +6,8 @@ use crate::deferred::ErrorSlot;
 use crate::driver::{check, init, Stream};
 use crate::error::Result;
 
-/// An event created with `CU_EVENT_DISABLE_TIMING` (the cheapest kind) in the current context.
+/// An event created with `CU_EVENT_DISABLE_TIMING` (the cheapest kind) in the current context;
+/// its owner drops it with that context current (the transport's lane binds it).
 #[derive(Debug)]
 pub struct Event {
     ev: sys::CUevent,

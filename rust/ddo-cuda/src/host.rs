@@ -4,7 +4,7 @@ use cudarc::driver::sys;
 use rayon::prelude::*;
 
 use crate::deferred::ErrorSlot;
-use crate::driver::{check, init};
+use crate::driver::{bind_context, bind_primary, check};
 use crate::error::{CudaError, Result};
 
 /// Below this size a host copy runs on one thread.
@@ -14,7 +14,8 @@ const SERIAL_MAX: usize = 1 << 20;
 const MIN_CHUNK: usize = 1 << 20;
 const MAX_CHUNK: usize = 8 << 20;
 
-/// Page-locks `len` bytes at `ptr` (`cuMemHostRegister`, portable to every context) until dropped.
+/// Page-locks `len` bytes at `ptr` (`cuMemHostRegister`, portable to every context) until dropped;
+/// registering and unregistering bind the primary context of the device it was made for.
 ///
 /// The memory stays owned by the caller, who must keep it allocated until this value is dropped;
 /// the Python binding holds a reference to the owning tensor inside the registration to enforce it.
@@ -22,19 +23,26 @@ const MAX_CHUNK: usize = 8 << 20;
 pub struct HostRegistration {
     ptr: usize,
     len: usize,
+    ordinal: usize,
     /// Where a failure to unregister goes.
     errors: ErrorSlot,
 }
 
 impl HostRegistration {
-    /// Registers the range. Registering is about 6x faster than `cuMemHostAlloc` of the same size.
-    /// A failure to unregister it when dropped is recorded in `errors`.
+    /// Registers the range in the primary context of device `ordinal`. Registering is about 6x
+    /// faster than `cuMemHostAlloc` of the same size. A failure to unregister it when dropped is
+    /// recorded in `errors`.
     ///
     /// # Safety
     /// `[ptr, ptr + len)` is allocated host memory (not already registered) that stays allocated
-    /// until the returned value is dropped; the current context is the one it is used with.
-    pub unsafe fn register(ptr: usize, len: usize, errors: &ErrorSlot) -> Result<Self> {
-        init()?;
+    /// until the returned value is dropped.
+    pub unsafe fn register(
+        ordinal: usize,
+        ptr: usize,
+        len: usize,
+        errors: &ErrorSlot,
+    ) -> Result<Self> {
+        let _ctx = bind_context(ordinal)?;
         if ptr == 0 || len == 0 {
             return Err(CudaError::InvalidArgument(format!(
                 "cannot page-lock {len} bytes at address {ptr:#x}"
@@ -52,6 +60,7 @@ impl HostRegistration {
         Ok(Self {
             ptr,
             len,
+            ordinal,
             errors: errors.clone(),
         })
     }
@@ -71,10 +80,14 @@ impl HostRegistration {
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        // SAFETY: the range was registered by `register` and is unregistered exactly once here.
-        let code = unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
         let context = format!("unregistering {} bytes of page-locked memory", self.len);
-        if let Err(e) = check(code, "cuMemHostUnregister", &context) {
+        let unregistered = bind_primary(self.ordinal).and_then(|_ctx| {
+            // SAFETY: the range was registered by `register` and is unregistered exactly once
+            // here, in the context it was registered in.
+            let code = unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
+            check(code, "cuMemHostUnregister", &context)
+        });
+        if let Err(e) = unregistered {
             self.errors.record(&context, e);
         }
     }
@@ -90,18 +103,19 @@ pub struct HostBuffer {
 }
 
 impl HostBuffer {
-    /// Maps `len` bytes, page-locked when `pinned` (a failure to unregister them later is recorded
-    /// in `errors`).
-    pub fn new(len: usize, pinned: bool, errors: &ErrorSlot) -> Result<Self> {
+    /// Maps `len` bytes, page-locked for device `pin_for` when given (a failure to unregister them
+    /// later is recorded in `errors`).
+    pub fn new(len: usize, pin_for: Option<usize>, errors: &ErrorSlot) -> Result<Self> {
         let map = memmap2::MmapMut::map_anon(len.max(1)).map_err(|e| {
             CudaError::OutOfMemory(format!("mapping a {len}-byte host buffer: {e}"))
         })?;
-        let registration = if pinned {
+        let registration = match pin_for {
             // SAFETY: the mapping is owned by `Self`, whose field order drops (unregisters) the
             // registration before the mapping is unmapped.
-            Some(unsafe { HostRegistration::register(map.as_ptr() as usize, map.len(), errors) }?)
-        } else {
-            None
+            Some(ordinal) => Some(unsafe {
+                HostRegistration::register(ordinal, map.as_ptr() as usize, map.len(), errors)
+            }?),
+            None => None,
         };
         Ok(Self { registration, map })
     }
@@ -187,7 +201,7 @@ fn check_host_copy(dst: usize, src: usize, n: usize) -> Result<()> {
 }
 
 /// Runs many `(dst, src, n)` host copies in parallel (one rayon task per copy, large copies split),
-/// after checking every one ([`check_host_copy`]): none runs when one is invalid.
+/// after checking every one (`check_host_copy`): none runs when one is invalid.
 ///
 /// # Safety
 /// For every job, `src` is `n` readable and `dst` `n` writable bytes of host memory, allocated for
@@ -367,7 +381,7 @@ mod tests {
 
     #[test]
     fn unpinned_buffer_is_page_aligned_and_writable() {
-        let buf = HostBuffer::new(10_000, false, &ErrorSlot::default()).unwrap();
+        let buf = HostBuffer::new(10_000, None, &ErrorSlot::default()).unwrap();
         assert_eq!(buf.ptr() % 4096, 0);
         assert!(!buf.is_pinned());
         let src = [1u8; 16];

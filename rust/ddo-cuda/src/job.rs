@@ -22,7 +22,7 @@ use cudarc::driver::sys;
 use ddo_core::ReadChunk;
 
 use crate::deferred::ErrorSlot;
-use crate::driver::{check, Stream};
+use crate::driver::{bind_primary, check, Stream};
 use crate::error::{CudaError, Result};
 use crate::event::Event;
 use crate::reader::ReadFile;
@@ -309,17 +309,21 @@ pub(crate) struct SlotEvents {
 }
 
 /// GPU slots: copies queued on `copy_stream`, ordered by the slots' events and by one event per
-/// staging buffer (its last upload). Every call needs the target's context current.
+/// staging buffer (its last upload). Every call needs the target's context current; dropping
+/// binds it (as cudarc does before destroying an event).
 pub(crate) struct CudaLane {
+    ordinal: usize,
     copy_stream: Stream,
     slots: SlotEvents,
     uploaded: Vec<Event>,
+    errors: ErrorSlot,
 }
 
 impl CudaLane {
-    /// Creates the events of `slots` slots and `buffers` staging buffers in the current context
-    /// (failures to destroy them go to `errors`).
+    /// Creates the events of `slots` slots and `buffers` staging buffers in the current context,
+    /// the primary context of device `ordinal` (failures to destroy them go to `errors`).
     pub fn new(
+        ordinal: usize,
         copy_stream: Stream,
         slots: usize,
         buffers: usize,
@@ -331,12 +335,14 @@ impl CudaLane {
                 .collect::<Result<Vec<_>>>()
         };
         Ok(Self {
+            ordinal,
             copy_stream,
             slots: SlotEvents {
                 arrived: mk(slots)?,
                 consumed: mk(slots)?,
             },
             uploaded: mk(buffers)?,
+            errors: errors.clone(),
         })
     }
 
@@ -347,6 +353,22 @@ impl CudaLane {
                 self.uploaded.len()
             ))
         })
+    }
+}
+
+impl Drop for CudaLane {
+    fn drop(&mut self) {
+        // the events are destroyed here, with their context bound (the last holder of the lane
+        // may be a thread whose current context is another one, or none)
+        let bound = bind_primary(self.ordinal);
+        if let Err(e) = &bound {
+            self.errors
+                .record("binding the context to destroy events", e);
+        }
+        self.slots.arrived.clear();
+        self.slots.consumed.clear();
+        self.uploaded.clear();
+        drop(bound);
     }
 }
 

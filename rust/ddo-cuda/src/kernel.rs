@@ -1,7 +1,7 @@
 //! Kernels compiled at run time: CUDA C source -> PTX with NVRTC, loaded as a module in a device's
 //! primary context, launched on a stream the caller owns (the engine's copy stream, PyTorch's
 //! current stream). The first user is to be a decode kernel after a compressed transfer (a
-//! post-copy stage of [`crate::job`]).
+//! post-copy stage of the copy job).
 //!
 //! NVRTC is loaded at run time like the driver (cudarc's `nvrtc` feature with dynamic loading),
 //! under the names cudarc looks for (`libnvrtc.so`, `libnvrtc.so.12`, ... on the loader's path).

@@ -228,7 +228,7 @@ pub struct DiskProbe {
 const PROBE_WINDOW: usize = 1 << 30;
 
 /// Reads up to `max_bytes` from the start of `path` with the reader of the NVMe route (`threads`
-/// readers, [`PIECE`]-sized pieces, `O_DIRECT` where possible) and returns the bandwidth. Buffered
+/// readers, `PIECE`-sized pieces, `O_DIRECT` where possible) and returns the bandwidth. Buffered
 /// reads (no `O_DIRECT`) may be served by the page cache and then overstate the disk.
 pub fn measure_read_bandwidth(path: &Path, max_bytes: u64, threads: usize) -> Result<DiskProbe> {
     measure_in_windows(path, max_bytes, threads, PROBE_WINDOW)
@@ -259,7 +259,7 @@ fn measure_in_windows(
     }
     let len = needed.div_ceil(ALIGN) * ALIGN;
     let window = window.div_ceil(ALIGN) * ALIGN;
-    let buf = HostBuffer::new(len.min(window), false, &crate::ErrorSlot::default())?;
+    let buf = HostBuffer::new(len.min(window), None, &crate::ErrorSlot::default())?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .build()
@@ -301,7 +301,7 @@ pub(crate) mod tests {
         let (path, data) = temp_file(if direct { "d" } else { "b" }, len);
         let f = ReadFile::open(&path, direct).unwrap();
         let padded = len.div_ceil(ALIGN) * ALIGN;
-        let buf = HostBuffer::new(padded, false, &crate::ErrorSlot::default()).unwrap();
+        let buf = HostBuffer::new(padded, None, &crate::ErrorSlot::default()).unwrap();
         // SAFETY (the three reads): each destination holds the bytes read and outlives the call.
         unsafe { f.read_chunk(0, padded, len, buf.ptr()) }.unwrap();
         // SAFETY: the buffer holds `padded` >= `len` initialised bytes (an anonymous mapping).

@@ -254,7 +254,7 @@ mod tests {
         let bufs: Vec<HostBuffer> = spans
             .iter()
             .map(|&(_, n)| {
-                HostBuffer::new(n.div_ceil(ALIGN) * ALIGN, false, &ErrorSlot::default()).unwrap()
+                HostBuffer::new(n.div_ceil(ALIGN) * ALIGN, None, &ErrorSlot::default()).unwrap()
             })
             .collect();
         let reads: Vec<_> = spans
@@ -285,7 +285,7 @@ mod tests {
         let file = Arc::new(ReadFile::open(&path, true).unwrap());
         let wake = Arc::new(Wake::default());
         let pool = ReadPool::new(2, &ErrorSlot::default()).unwrap();
-        let buf = HostBuffer::new(3 * PIECE, false, &ErrorSlot::default()).unwrap();
+        let buf = HostBuffer::new(3 * PIECE, None, &ErrorSlot::default()).unwrap();
         let seen = wake.seq();
         // SAFETY: the buffer holds the chunk and outlives the read (waited for below).
         let r = unsafe { pool.read_chunk(&file, 0, 3 * PIECE, 3 * PIECE, buf.ptr(), &wake) };
@@ -302,7 +302,7 @@ mod tests {
         let file = Arc::new(ReadFile::open(&path, true).unwrap());
         let wake = Arc::new(Wake::default());
         let pool = ReadPool::new(1, &ErrorSlot::default()).unwrap();
-        let buf = HostBuffer::new(8 * PIECE, false, &ErrorSlot::default()).unwrap();
+        let buf = HostBuffer::new(8 * PIECE, None, &ErrorSlot::default()).unwrap();
         // SAFETY: the buffer holds the chunk and outlives the pool, whose drop finishes the read.
         let r = unsafe { pool.read_chunk(&file, 0, 8 * PIECE, 8 * PIECE, buf.ptr(), &wake) };
         drop(pool); // joins the reader after the queue is empty: the buffer is no longer written

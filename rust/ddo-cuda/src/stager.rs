@@ -86,14 +86,13 @@ impl Stager {
                 staging.buffers, staging.buffer_bytes
             )));
         }
-        let cuda = matches!(target, Target::Cuda { .. });
+        let pin_for = match target {
+            Target::Cuda { ordinal, .. } if staging.pinned => Some(ordinal),
+            _ => None,
+        };
         let mut buffers = Vec::with_capacity(staging.buffers);
         for _ in 0..staging.buffers {
-            buffers.push(HostBuffer::new(
-                staging.buffer_bytes,
-                cuda && staging.pinned,
-                errors,
-            )?);
+            buffers.push(HostBuffer::new(staging.buffer_bytes, pin_for, errors)?);
         }
         let ring = Ring {
             buffers,

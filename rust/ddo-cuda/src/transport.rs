@@ -64,9 +64,18 @@ impl Transport {
         };
         let errors = ErrorSlot::child_of(ErrorSlot::process());
         let lane: Arc<dyn Lane> = match target {
-            Target::Cuda { copy_stream, .. } => {
+            Target::Cuda {
+                ordinal,
+                copy_stream,
+            } => {
                 let buffers = staging.map_or(0, |s| s.buffers);
-                Arc::new(CudaLane::new(copy_stream, slots, buffers, &errors)?)
+                Arc::new(CudaLane::new(
+                    ordinal,
+                    copy_stream,
+                    slots,
+                    buffers,
+                    &errors,
+                )?)
             }
             Target::Cpu => Arc::new(CpuLane),
         };

@@ -63,12 +63,12 @@ impl HostRegistration {
     ) -> PyResult<Self> {
         let inner = py
             .detach(|| {
-                let _ctx = ddo_cuda::bind_context(device)?;
                 // SAFETY: `ptr` and `nbytes` describe the CPU storage of `owner` (a tensor the
                 // caller allocated for this), and this object keeps `owner` alive until the range
                 // is unregistered (`close` drops the registration before the owner).
                 unsafe {
                     ddo_cuda::HostRegistration::register(
+                        device,
                         ptr,
                         nbytes,
                         ddo_cuda::ErrorSlot::process(),
