@@ -346,3 +346,21 @@ def test_every_stage_is_checked_before_the_first_one_runs(components):
     hook.remove()
     assert calls["n"] == 0, "a text encoder ran before the error"
     assert all(ddo_blocks.get_handle(m) is None for m in components.values() if isinstance(m, torch.nn.Module))
+
+
+def test_a_component_report_has_the_same_fields_in_a_block_and_through_offload(components):
+    """Each engine contributes its own sections: a block adds only its stage section and stage_s."""
+    vae = components["vae"]
+    plain = ddo_blocks.offload(vae, route="diffusers", preset="diffusers_leaf_offload_compat", device="cpu",
+                               component="vae")
+    fields = {k: set(v) if isinstance(v, dict) else None for k, v in plain.report().to_dict().items()}
+    plain.remove()
+    blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="off", denoise="off",
+                             decode={"route": "diffusers", "preset": "diffusers_leaf_offload_compat"})
+    pipe, state = _run(blocks, components)
+    in_block = state.get("ddo_reports")["decode"]["vae"].to_dict()
+    ddo_blocks.blocks.remove_offload(pipe)
+    got = {k: set(v) if isinstance(v, dict) else None for k, v in in_block.items() if k != "stage"}
+    got["runtime"] -= {"stage_s"}
+    assert got == fields
+    assert {"offload_type", "use_stream"} <= fields["plan"]

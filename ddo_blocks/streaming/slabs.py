@@ -97,6 +97,18 @@ def _alloc(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     return storage, storage[skip : skip + nbytes]
 
 
+PROGRESS_BYTES = 1 << 30
+"""Packing at least this much shows a progress bar (on a terminal; tqdm stays silent elsewhere)."""
+
+
+def _progress(total: int, what: str, *, quiet: bool = False) -> Any:
+    """A byte progress bar for long setup work, or a silent stand-in."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"ddo_blocks: {what}", leave=False,
+                disable=True if quiet or total < PROGRESS_BYTES else None)
+
+
 class SlabSet:
     """The host side of one offloaded component's streamed units."""
 
@@ -162,10 +174,12 @@ class SlabSet:
         # Page-locking a slab (about 0.1 s per GiB) runs on a background thread while the next slab
         # is filled; the registration call releases the GIL.
         pinning: list[tuple[Slab, Future]] = []
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, _progress(
+                sum(self.slab_sizes), "packing", quiet=loader is not None) as bar:
             try:
                 for s, size in enumerate(self.slab_sizes):
                     slab = self._fill_slab(s, size, by_slab[s], loader)
+                    bar.update(size)
                     if self.pin:
                         pinning.append((slab, pool.submit(
                             _native.HostRegistration, slab.storage, slab.ptr, size, self.ordinal)))
