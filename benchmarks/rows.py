@@ -2,8 +2,9 @@
 budget) per row.
 
 Our rows come from the route registry (``ddo_blocks.routes``). ``ours:PRESET`` is a preset of a
-streaming route that takes a module in memory (``spec.streams`` and not ``spec.needs_files``: the
-nvme route streams from the model's files and has ``python -m benchmarks.nvme``) and moves weights
+streaming route that takes any module in memory (``spec.streams``, not ``spec.needs_files``: the
+nvme route streams from the model's files and has ``python -m benchmarks.nvme``; not a route that
+claims only some modules, as ``sdnq`` does quantized ones) and moves weights
 (not ``HostMode.CALLER``), or ``auto``. ``ours`` (or such a route's name, ``linear``) runs one
 preset per way of holding the weights (host mode and ``keep_warm``: the first such preset in the
 registry's order), so a preset that only resizes another's staging ring (``wsl_compat``) is asked for
@@ -48,10 +49,12 @@ not named here runs after these, in the order asked."""
 # our routes, from the registry
 # -------------------------------------------------------------------------------------------------
 def our_routes() -> list[Any]:
-    """The registry's streaming routes that take a module in memory, in the registry's order."""
+    """The registry's streaming routes that take any module in memory (not those that claim only
+    some, as the sdnq route claims quantized ones: ``python -m benchmarks.sdnq`` benchmarks it), in
+    the registry's order."""
     from ddo_blocks import routes
 
-    return [s for s in routes.REGISTRY.values() if s.streams and not s.needs_files]
+    return [s for s in routes.REGISTRY.values() if s.streams and not s.needs_files and s.claims is None]
 
 
 def _moves_weights(preset: Any) -> bool:

@@ -179,8 +179,8 @@ def offload(
     """
     _check_is_module(module, "offload()")
     _check_not_offloaded(module)
-    spec = routes.get(route)
     routes.resolve(route, preset)  # names first: errors list the valid ones
+    spec = routes.for_module(route, preset, module)
     if spec.places_weights:
         conflict = guards.foreign_offload(module)
         if conflict is not None:

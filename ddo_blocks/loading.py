@@ -281,6 +281,44 @@ def unmeta(model: nn.Module) -> None:
             module._parameters[name] = done[id(p)]
 
 
+def quantization_method(directory: Path) -> str | None:
+    """The ``quant_method`` of the directory's ``config.json`` ``quantization_config`` (``"sdnq"``, ...)."""
+    config = directory / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        quant = json.loads(config.read_text()).get("quantization_config")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    return str(method) if method is not None else None
+
+
+def _from_quantized(model_class: type, directory: Path, *, route: str, preset: str, dtype: torch.dtype | None,
+                    **kwargs: Any):
+    """A quantized checkpoint: its layers are made by the model library's own loader (diffusers' SDNQ
+    quantizer, which needs ``sdnq`` installed), then offloaded; the packed tensors are read once."""
+    from .api import offload
+
+    method = quantization_method(directory)
+    if method != "sdnq":
+        raise ConfigError(
+            f"{directory} is quantized with {method!r}; ddo_blocks streams SDNQ-quantized models (route='sdnq'). "
+            "Load it with its library and offload() the module with route='resident' or route='off'"
+        )
+    load_kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype is not None:
+        load_kwargs["torch_dtype"] = dtype
+    try:
+        model = model_class.from_pretrained(directory, **load_kwargs)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{directory} is SDNQ-quantized, and loading it needs the sdnq package (GPL-3.0, not a dependency of "
+            f"ddo_blocks): pip install sdnq ({exc})"
+        ) from exc
+    return offload(model.eval(), route=route, preset=preset, **kwargs)
+
+
 def from_pretrained(
     model_class: type,
     path: str | Path,
@@ -323,6 +361,9 @@ def from_pretrained(
     directory = Path(path) / subfolder if subfolder else Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory; pass the model directory (and subfolder=)")
+    if quantization_method(directory) is not None:
+        return _from_quantized(model_class, directory, route=route, preset=preset, vram_budget=vram_budget,
+                               device=device, dtype=dtype, component=component, **options)
     checkpoint = Checkpoint(directory)
     if dtype is None and (directory / "config.json").is_file():
         dtype = config_dtype(directory)

@@ -147,7 +147,6 @@ def test_offload_result_repr_is_one_line(flux):
 @pytest.mark.parametrize("route, preset, match", [
     ("linear", "vmm_fast", "'vmm_fast' belongs to the CUDA VMM route .* not rebuilt yet"),
     ("vmm", "auto", "route 'vmm' .* is not rebuilt yet in ddo_blocks; valid routes: linear"),
-    ("sdnq", "auto", "route 'sdnq' \\(the SDNQ packed route\\) is not rebuilt yet"),
     ("linear", "nvme_baseline", "'nvme_baseline' is a preset of route 'nvme'"),
 ])
 def test_routes_not_built_yet_say_so(flux, route, preset, match):

@@ -77,7 +77,7 @@ def test_budget_min_is_for_the_routes_that_stream():
     from ddo_blocks.blocks.runner import stage_policies
 
     ns, blocks = _stage_args("off", "text_encoder", route="resident", budget="min")
-    with pytest.raises(ddo_blocks.ConfigError, match="budget min applies to the routes that stream \\(linear, nvme\\); "
+    with pytest.raises(ddo_blocks.ConfigError, match="budget min applies to the routes that stream \\(linear, nvme, sdnq\\); "
                                                       "route 'resident' was asked"):
         stage_policies(ns, {}, blocks)
 

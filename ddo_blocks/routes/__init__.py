@@ -9,16 +9,16 @@ this folder that builds its spec and a line in ``_MODULES``.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from ..errors import ConfigError
 from .spec import EngineRequest, HostMode, Preset, RouteSpec
 
-_MODULES = ("linear", "resident", "diffusers", "nvme")
+_MODULES = ("linear", "resident", "diffusers", "nvme", "sdnq")
 """The route files, in the order of the preset table."""
 
 NOT_BUILT = {
     "vmm": "the CUDA VMM route (preset vmm_fast)",
-    "sdnq": "the SDNQ packed route",
 }
 """Routes of the original DDO not rebuilt yet: asking for one says so."""
 
@@ -105,6 +105,17 @@ def resolve(route: str, preset: str, *, streamed_bytes: int = 0, total_ram: int 
     if not elsewhere and preset in NOT_BUILT_PRESETS:
         hint = f"; {preset!r} belongs to {NOT_BUILT[NOT_BUILT_PRESETS[preset]]}, which is not rebuilt yet"
     raise ConfigError(f"unknown preset {preset!r} for route {route!r}; valid presets: {', '.join(valid)}{hint}")
+
+
+def for_module(route: str, preset: str, module: Any) -> RouteSpec:
+    """The route that places ``module``: ``route``, unless ``preset="auto"`` and another route claims
+    the module from it (an SDNQ-quantized component asked on the linear route goes to ``sdnq``)."""
+    spec = get(route)
+    if preset == "auto":
+        for other in REGISTRY.values():
+            if other.claims_auto_of == spec.name and other.claims is not None and other.claims(module):
+                return other
+    return spec
 
 
 def route_of_preset(preset: str) -> RouteSpec | None:

@@ -161,6 +161,8 @@ class RouteSpec:
             pipeline-wide budget must count for it.
         check: validates a module, preset, budget, device and options before anything moves (blocks
             call it for every stage before the first runs; ``offload`` before the factory).
+        claims / claims_auto_of: ``preset="auto"`` on route ``claims_auto_of`` picks this route for a
+            module ``claims(module)`` is true of (the sdnq route claims quantized linear components).
     """
 
     name: str
@@ -178,6 +180,8 @@ class RouteSpec:
     places_weights: bool = True
     holds_all: bool = False
     check: Callable[..., None] | None = None
+    claims: Callable[[nn.Module], bool] | None = None
+    claims_auto_of: str | None = None
     preset_map: dict[str, Preset] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

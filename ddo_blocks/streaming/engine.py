@@ -44,13 +44,15 @@ class StreamingEngine:
         store: builds the host side for this engine (``HostSlabs``, ``FileStore``).
         loader: a ``loading.Loader`` when the module was built on the meta device (``from_pretrained``).
         units: ``auto``, ``block`` or ``child``.
+        extra_sections: the route's own report fields (the sdnq route: its packed layers).
     """
 
     owns_placement = True
     """Every weight lives where this engine put it: conversions are refused while it is attached."""
 
     def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device, *,
-                 store: Callable[[StreamingEngine], Any], loader: Any = None, units: str = "auto"):
+                 store: Callable[[StreamingEngine], Any], loader: Any = None, units: str = "auto",
+                 extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None):
         self.module = module
         self.preset = preset
         self.budget = budget
@@ -76,6 +78,7 @@ class StreamingEngine:
         self.slots = TorchSlots(device)
         self.scheduler = Scheduler(module, device, self.streamed, self.resident_units, self)
         self.store = store(self)
+        self._extra_sections = extra_sections
         self.transport: Any = None
         self._final_transport_stats: tuple[int, int, float] = (0, 0, 0.0)
         self.setup_s = 0.0
@@ -346,4 +349,6 @@ class StreamingEngine:
         }
         for section, fields in self.store.report_sections(self.transport).items():
             sections[section].update(fields)
+        for section, fields in (self._extra_sections() if self._extra_sections else {}).items():
+            sections.setdefault(section, {}).update(fields)
         return sections
