@@ -18,7 +18,7 @@ import argparse
 import copy
 import json
 import warnings
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows += _rows_for(model, fmt, args, device, link)
         if model is not base:
             del model
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": "python -m benchmarks.sdnq " + " ".join(args.argv), "device": str(device),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "torch": torch.__version__, "link_gb_s": link / 1e9, "repeats": args.repeats, "rows": rows}
