@@ -18,7 +18,7 @@ execution-device hook, so ``pipe._execution_device`` is the GPU and latents are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
 import torch
@@ -114,8 +114,12 @@ def _denoiser(modules: dict[str, nn.Module]) -> str:
     return max(modules, key=lambda n: _weights(modules[n]))
 
 
-def _check_not_offloaded(modules: dict[str, nn.Module]) -> None:
+def _check_not_offloaded(modules: dict[str, nn.Module], given: dict[str, Any]) -> None:
+    from .blocks.policy import OffloadPolicy
+
     for name, module in modules.items():
+        if name in given and not OffloadPolicy.parse(given[name], where=f"component {name!r}").spec.places_weights:
+            continue  # route='off': the caller keeps its own placement (another offloader's included)
         conflict = foreign_offload(module)
         if conflict is not None:
             raise OffloadStateError(
@@ -128,6 +132,16 @@ def _check_not_offloaded(modules: dict[str, nn.Module]) -> None:
                 f"pipeline component {name!r} is already offloaded ({handle!r}); call remove() on that handle "
                 "first, or pass that component's policy to offload_pipeline() instead"
             )
+
+
+def _device_bytes(policy: Any, module: nn.Module) -> int:
+    """What a component keeps on the device between its calls under ``policy``: its budget on a
+    streaming route (everything without one), everything on ``resident``, nothing on routes that
+    keep no weights there between calls (``diffusers``: one group while it runs, ``off``)."""
+    spec = routes.get(policy.route)
+    if spec.streams:
+        return policy.vram_budget if policy.vram_budget is not None else _weights(module)
+    return _weights(module) if spec.holds_all else 0
 
 
 def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str,
@@ -150,30 +164,26 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
                 policies[name] = OffloadPolicy(route="resident")
             else:
                 policies[name] = OffloadPolicy(route="linear", vram_budget=smallest)
-        pol = policies[name]
-        spec = routes.get(pol.route)
-        if spec.streams:
-            need = pol.vram_budget if pol.vram_budget is not None else _weights(modules[name])
-        elif spec.holds_all:
-            need = _weights(modules[name])
-        else:
-            need = 0  # diffusers group offloading and off keep nothing on the device between calls
-        used.append((name, need, pol.route))
-    if denoiser not in policies:
-        left = None
-        if budget is not None:
-            left = budget - sum(n for _, n, _ in used)
-            need = minimum_budget(modules[denoiser])
-            if left < need:
-                others = ", ".join(f"{n} ({route}, {fmt_bytes(b)})" for n, b, route in used) or "nothing"
-                leaves = fmt_bytes(left) if left > 0 else "nothing"
-                raise BudgetError(
-                    f"vram_budget={fmt_bytes(budget)} leaves {leaves} for the {denoiser} after {others}, "
-                    f"below its minimum of {fmt_bytes(need)}; raise vram_budget to at least "
-                    f"{fmt_bytes(budget - left + need)}, or give the other components routes that keep less on the "
-                    "device (e.g. text_encoder='diffusers')"
-                )
-        policies[denoiser] = OffloadPolicy(route="linear", preset=preset, vram_budget=left)
+        used.append((name, _device_bytes(policies[name], module), policies[name].route))
+    left = None if budget is None else budget - sum(n for _, n, _ in used)
+    den = policies.get(denoiser)
+    rest = None if left is None else max(left, 0)
+    if den is None:
+        den = policies[denoiser] = OffloadPolicy(route="linear", preset=preset, vram_budget=rest)
+    elif rest is not None and den.vram_budget is None and routes.get(den.route).streams:
+        den = policies[denoiser] = replace(den, vram_budget=rest)  # its route given, the budget what is left
+    if budget is not None:
+        need = (minimum_budget(modules[denoiser]) if routes.get(den.route).streams and den.vram_budget == rest
+                else _device_bytes(den, modules[denoiser]))
+        if left < need:
+            others = ", ".join(f"{n} ({route}, {fmt_bytes(b)})" for n, b, route in used) or "nothing"
+            leaves = fmt_bytes(left) if left > 0 else "nothing"
+            raise BudgetError(
+                f"vram_budget={fmt_bytes(budget)} leaves {leaves} for the {denoiser} ({den.describe()}) after "
+                f"{others}, below the {fmt_bytes(need)} it needs; raise vram_budget to at least "
+                f"{fmt_bytes(budget - left + need)}, or give the components routes that keep less on the "
+                "device (e.g. text_encoder='diffusers')"
+            )
     return policies
 
 
@@ -207,7 +217,7 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
         )
     if not modules:
         raise ConfigError(f"{type(pipe).__name__} has no component with weights to offload")
-    _check_not_offloaded(modules)
+    _check_not_offloaded(modules, components)
     budget = parse_bytes(vram_budget, what="vram_budget")
     dev = resolve_device(device)
     routes.resolve("linear", preset)

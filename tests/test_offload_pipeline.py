@@ -75,7 +75,7 @@ def test_per_component_policies_and_their_errors(pipe):
         ddo_blocks.offload(pipe, device="cpu")
     with pytest.raises(ConfigError, match="minimum_budget\\(\\) takes one component"):
         ddo_blocks.minimum_budget(pipe)
-    with pytest.raises(BudgetError, match="leaves .* for the transformer after .* below its minimum"):
+    with pytest.raises(BudgetError, match="leaves nothing for the transformer .* after .* below the .* it needs"):
         ddo_blocks.offload_pipeline(pipe, vram_budget=ddo_blocks.minimum_budget(pipe.transformer), device="cpu",
                                     vae="resident", text_encoder="resident")
     assert all(ddo_blocks.get_handle(m) is None for m in _modules(pipe).values())  # nothing placed
@@ -86,3 +86,21 @@ def test_refuses_a_pipeline_offloaded_by_diffusers(pipe):
     with pytest.raises(OffloadStateError, match="component 'transformer' .* diffusers group offloading"):
         ddo_blocks.offload_pipeline(pipe, device="cpu")
     assert all(ddo_blocks.get_handle(m) is None for m in _modules(pipe).values())
+
+
+def test_a_given_denoiser_policy_stays_inside_the_pipeline_budget(pipe):
+    weights = sum(sum(p.numel() * p.element_size() for p in m.parameters()) for m in _modules(pipe).values())
+    budget = int(weights * 0.5)
+    with ddo_blocks.offload_pipeline(pipe, vram_budget=budget, device="cpu", transformer="linear") as off:
+        assert off.gpu_bytes <= budget  # its route given, its budget what the others leave
+    with pytest.raises(BudgetError, match="leaves .* for the transformer \\(linear, budget"):
+        ddo_blocks.offload_pipeline(pipe, vram_budget=budget, device="cpu", transformer={"vram_budget": budget})
+    with pytest.raises(BudgetError, match="for the transformer \\(resident\\)"):
+        ddo_blocks.offload_pipeline(pipe, vram_budget=budget, device="cpu", transformer="resident")
+
+
+def test_a_component_another_offloader_keeps_can_be_left_to_it(pipe):
+    pipe.transformer.enable_group_offload(torch.device("cpu"), offload_type="leaf_level")
+    off = ddo_blocks.offload_pipeline(pipe, device="cpu", transformer="off")
+    assert off.handles["transformer"].route == "off"
+    off.remove()
