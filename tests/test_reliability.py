@@ -232,3 +232,33 @@ def test_every_view_the_engine_binds_is_aligned_as_pytorch_allocates(flux, flux_
         assert views and not [v.data_ptr() for v in views if v.data_ptr() % 64]
         handle.remove()
         assert not [n for n, p in handle.module.named_parameters() if p.data_ptr() % 64]
+
+
+def test_a_unit_called_on_its_own_is_checked_like_a_call():
+    """Blocks called directly (outside the component's forward) still refuse backward through
+    streamed weights and take the component's lock."""
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    model = Blocks()  # parameters require grad, as a freshly built module's do
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        ref = model.blocks[0](x)
+    handle = ddo_blocks.offload(model, vram_budget=ddo_blocks.minimum_budget(model, units="block"), device="cpu",
+                                units="block")
+    with pytest.raises(ddo_blocks.OffloadStateError, match="the unit's own parameters"):
+        model.blocks[0](x)
+    assert handle.engine.scheduler.lock.acquire(blocking=False)  # the refused call gave the lock back
+    handle.engine.scheduler.lock.release()
+    with torch.no_grad():
+        assert torch.equal(model.blocks[0](x), ref)
+    handle.remove()

@@ -115,6 +115,7 @@ class Scheduler:
         self.lock = threading.RLock()  # per component; re-entrant for nested entry points
         self.depth = 0
         self.active = False
+        self._solo: int | None = None  # the streamed unit called on its own (outside an entry point), if any
         self._hooks: list[Any] = []
         self._wrapped: list[tuple[str, Any, Any]] = []
         self.sched: list[int] = list(range(len(streamed)))
@@ -183,6 +184,8 @@ class Scheduler:
             if not sched.active:  # left behind under another wrapper after remove(): transparent
                 return method(*args, **kwargs)
             with sched.lock:
+                if not sched.active:  # removed while this thread waited for the lock
+                    return method(*args, **kwargs)
                 sched.enter()
                 clean = False
                 try:
@@ -222,7 +225,15 @@ class Scheduler:
 
     def _make_pre(self, u: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
+            if self.depth == 0 and self.active and self._solo is None:
+                # the unit is called on its own, outside the component's entry points (vae.decoder(...),
+                # a block called by hand): it takes the lock and the route's per-call checks too; the
+                # post-hook (always called, even when this one raises) gives them back
+                self.lock.acquire()
+                self._solo = u
+                self.pipeline.call_started()
+            if torch.is_grad_enabled() and (_any_requires_grad((args, kwargs))
+                                            or any(p.requires_grad for _, p in self.streamed[u].params)):
                 self._refuse_backward(u)
             self.unit_start(u)
 
@@ -231,15 +242,23 @@ class Scheduler:
     def _refuse_backward(self, u: int) -> None:
         raise OffloadStateError(
             f"{type(self.module).__name__} is offloaded for inference, but autograd is on and the input of its "
-            f"streamed unit {self.streamed[u].name!r} requires grad (an input that requires grad, or a trainable "
-            "layer before it): backward would read that unit's weights from a slot that later units have "
+            f"streamed unit {self.streamed[u].name!r} requires grad (an input that requires grad, a trainable "
+            "layer before it, or the unit's own parameters): backward would read that unit's weights from a slot that later units have "
             "overwritten, and give wrong gradients. Run it under torch.no_grad() or torch.inference_mode(), "
             "detach the input, or keep the component resident (route='resident') to take gradients"
         )
 
     def _make_post(self, u: int) -> Callable[..., None]:
         def post(module: nn.Module, args: Any, output: Any) -> None:
-            self.unit_end(u)
+            try:
+                self.unit_end(u)
+            finally:
+                if self._solo == u:
+                    self._solo = None
+                    try:
+                        self.pipeline.call_finished()
+                    finally:
+                        self.lock.release()
 
         return post
 
