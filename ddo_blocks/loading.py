@@ -307,6 +307,14 @@ def _from_quantized(model_class: type, directory: Path, *, route: str, preset: s
             "Load it with its library and offload() the module with route='resident' or route='off'"
         )
     load_kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype is None:  # the config's, else the dtype of most of the file's floating-point bytes (not float32 by default)
+        dtype = config_dtype(directory)
+    if dtype is None:
+        by_dtype: dict[torch.dtype, int] = defaultdict(int)
+        for t in Checkpoint(directory).tensors.values():
+            if t.dtype.is_floating_point and t.dtype.itemsize >= 2:
+                by_dtype[t.dtype] += t.nbytes
+        dtype = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else None
     if dtype is not None:
         load_kwargs["torch_dtype"] = dtype
     try:

@@ -224,7 +224,7 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
     policies = plan_policies(modules, budget, preset, components)
     for name, pol in policies.items():
         try:
-            pol.check(dev, modules[name], name)
+            pol.check(dev, modules[name], name)  # through the route that will place it
         except DdoError as exc:
             raise type(exc)(f"component {name!r}: {exc}") from None
     from .execution_device import add_device_hook, remove_device_hook

@@ -193,13 +193,17 @@ def test_changed_file_is_a_checkpoint_error(saved, tmp_path, change):
         ddo_blocks.offload(handle.module, device="cpu")
 
 
-def test_out_of_memory_during_remove_keeps_the_offload_working(saved, monkeypatch):
+@pytest.mark.parametrize("failure", [MemoryError("simulated"),
+                                     RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't "
+                                                  "allocate memory: you tried to allocate 1 bytes")],
+                         ids=["MemoryError", "torch-allocator"])
+def test_out_of_memory_during_remove_keeps_the_offload_working(saved, monkeypatch, failure):
     root, model, x, ref = saved
     handle = _load(root / "single", model, 0)
     loader = handle.engine.loader
 
     def no_memory(pairs):
-        raise MemoryError("simulated")
+        raise failure
 
     monkeypatch.setattr(loader, "read_many", no_memory)
     with pytest.raises(ddo_blocks.OffloadMemoryError, match=r"still in place.*remove\(\) again"):
@@ -307,3 +311,25 @@ def test_cuda_exact_from_disk(saved, ram):
     handle.remove()
     with torch.no_grad():
         assert torch.equal(handle.module.to("cuda")(**xc)[0], ref)
+
+
+def test_a_failed_attach_does_not_read_the_disk_units_back(saved, monkeypatch):
+    from ddo_blocks.streaming import slots
+
+    root, model, _, _ = saved
+    reads = {"failed": False, "after": 0}
+    real = ddo_blocks.loading.Loader.read_many
+
+    def counting(self, pairs):
+        reads["after"] += reads["failed"]
+        return real(self, pairs)
+
+    def no_slots(self, *a, **k):
+        reads["failed"] = True
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(ddo_blocks.loading.Loader, "read_many", counting)
+    monkeypatch.setattr(slots.TorchSlots, "build", no_slots)
+    with pytest.raises(ddo_blocks.OffloadMemoryError, match="out of GPU memory"):
+        _load(root / "single", model, 0)
+    assert reads["failed"] and reads["after"] == 0  # nothing read back for a module that is discarded

@@ -125,3 +125,14 @@ def test_packed_layers_stream_exactly_on_cuda(weights_dtype, kw):
     assert all(torch.equal(o, ref) for o in outs)
     assert handle.report()["plan"]["gpu_bytes"] <= budget
     handle.remove()
+
+
+def test_from_pretrained_keeps_the_checkpoint_dtype_when_none_is_given(tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    quantized("uint4").save_pretrained(tmp_path)
+    handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, tmp_path, device="cpu")
+    packed = {id(p) for _, m in ddo_blocks.routes.sdnq.sdnq_layers(handle.module) for p in m.parameters()}
+    plain = {p.dtype for p in handle.module.parameters() if id(p) not in packed}
+    assert plain == {torch.bfloat16}, plain  # as saved, not diffusers' float32 default
+    handle.remove()

@@ -81,7 +81,8 @@ class OffloadPolicy:
     def check(self, device: torch.device, module: nn.Module | None = None, name: str | None = None) -> None:
         """The route's own checks before anything runs: the options for the device (streams need
         CUDA), the budget, and the module when given (the same checks ``offload`` makes)."""
-        check = self.spec.check
+        spec = routes.for_module(self.route, self.preset, module) if module is not None else self.spec
+        check = spec.check  # the route that will place it (linear auto hands SDNQ components to sdnq)
         if check is not None:
             check(module, self.vram_budget, device, preset=self.preset, options=dict(self.options), name=name)
 

@@ -92,7 +92,16 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     units = plan.check_granularity(req.options.pop("units", "auto"))
     refuse_unknown("sdnq", req.options, ("units",))
     check(req.module)
-    chosen = SPEC.preset_map["sdnq"] if req.preset == "auto" else SPEC.preset_map[req.preset]
+    if req.preset == "auto":  # as the linear route's auto: no page-locking under WSL or past half the RAM
+        import psutil
+
+        from . import linear
+
+        packed = sum(p.numel() * p.element_size() for p in req.module.parameters())
+        pinned = linear.auto(packed, psutil.virtual_memory().total).host is HostMode.PINNED_SLABS
+        chosen = SPEC.preset_map["sdnq" if pinned else "sdnq_low_ram"]
+    else:
+        chosen = SPEC.preset_map[req.preset]
     fields = report_fields(sdnq_layers(req.module))
     return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=stores.HostSlabs,
                                    loader=req.loader, units=units, extra_sections=lambda: fields)

@@ -69,8 +69,9 @@ class UnitStore(Protocol):
     def call_finished(self, transport: Any) -> None: ...
 
     def before_release(self) -> CheckpointError | None:
-        """Brings back what only the store holds (disk units), before anything is detached. Raises to
-        keep the offload in place (it can be retried); returns an error to raise after the removal."""
+        """Brings back what only the store holds (disk units), before anything is detached (on a
+        removal; a failed attach keeps the placeholders). Raises to keep the offload in place (it can
+        be retried); returns an error to raise after the removal."""
 
     def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
         """Gives every parameter its own memory on its original device and frees the store."""
@@ -315,7 +316,9 @@ class FileStore:
     # -- removal: disk units come back into ordinary memory ----------------------------------------
     def before_release(self) -> CheckpointError | None:
         disk, self._disk_params = self._disk_params, []
-        if not disk:
+        if not disk or not self.engine.attached:
+            # an attach that failed: the module (from_pretrained's, about to be discarded) keeps its
+            # placeholders; reading a model larger than RAM back would turn the error into an OOM
             return None
         try:
             self.loader.checkpoint.check_unchanged()
@@ -335,7 +338,8 @@ class FileStore:
         except BaseException as exc:
             # nothing is detached yet: the offload stays in place and working, remove() can be retried
             self._disk_params = disk
-            if isinstance(exc, MemoryError):
+            if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError)
+                                                 and "can't allocate memory" in str(exc)):  # PyTorch's CPU allocator
                 nbytes = sum(p.numel() * p.element_size() for p, _ in disk)
                 raise OffloadMemoryError(
                     f"removing the offload of {type(self.engine.module).__name__} reads the {len(disk)} tensors "
