@@ -155,8 +155,9 @@ def offload(
 
     Args:
         module: the component (a diffusers model, a transformers encoder, any ``nn.Module``).
-        route: ``"linear"`` (stream through GPU slots), ``"resident"``, ``"off"``, ``"diffusers"``, or
-            ``"nvme"`` (stream from the safetensors files: only through
+        route: ``"linear"`` (stream through GPU slots), ``"resident"``, ``"off"``, ``"diffusers"``,
+            ``"sdnq"`` (SDNQ-quantized layers streamed packed; ``linear`` with ``preset="auto"`` picks it
+            for such a module), or ``"nvme"`` (stream from the safetensors files: only through
             ``ddo_blocks.from_pretrained(..., route="nvme")``, which knows the files; a module that is
             already loaded raises ``ConfigError``). ``python -m ddo_blocks presets`` lists them.
         preset: the route's policy; ``"auto"`` chooses.

@@ -158,16 +158,20 @@ def roofline_bound(*, link_bytes_per_s: float, streamed_bytes: int, calibrated_c
       at most the fastest call's time: every call does all the compute, so a calibration call that
       carried one-off costs (first use of a kernel or an allocation) cannot set a compute time that
       a later call beats (``compute_capped`` says when it did);
-    - link: the probe's bandwidth, or the rate a call actually moved its bytes at if that was faster
-      (a probe that underestimates the link cannot make the transfer term exceed a call);
+    - transfer: the bytes the fastest steady call fetched (``call_h2d_bytes``; in a full pass, every
+      streamed unit once) over the link: the probe's bandwidth, or the rate that call moved them at
+      if that was faster (a probe that underestimates the link cannot make the term exceed a call;
+      a component whose calls run only some units, such as a VAE that only decodes, is charged
+      only what it moved). Without calls: ``streamed_bytes`` over the probe's bandwidth;
     - disk (``(rate, bytes per call)``, the NVMe route): the disk bytes per call at the disk's
       measured rate, or at the rate a call read them if that was faster.
     """
     fastest = fastest_call_s
     link = link_bytes_per_s
-    if fastest and call_h2d_bytes:
-        link = max(link, call_h2d_bytes / fastest)
-    transfer = streamed_bytes / link if link else None
+    moved = streamed_bytes if fastest is None or call_h2d_bytes is None else call_h2d_bytes
+    if fastest and moved:
+        link = max(link, moved / fastest)
+    transfer = moved / link if link else None
     fields: dict[str, Any] = {"link_gb_s": link / 1e9, "transfer_bound_s": transfer}
     disk_s = None
     if disk is not None:

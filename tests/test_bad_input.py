@@ -169,3 +169,29 @@ def test_a_logger_tells_what_happened_and_nothing_prints_unasked(flux, caplog, c
     assert "offloaded transformer: route=linear" in text and "removed the offload of transformer" in text
     assert "execution order learned" in text
     assert capsys.readouterr() == ("", "")  # the library prints nothing itself
+
+
+def test_efficiency_stays_at_most_one_when_calls_run_only_some_units(monkeypatch):
+    """A component whose forward uses one of its two block lists is charged what it moved."""
+
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.enc = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+            self.dec = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+        def forward(self, x):
+            for b in self.enc:
+                x = b(x)
+            return x
+
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.0001")  # a probe far below what the calls achieve
+    model = Half().eval()
+    handle = ddo_blocks.offload(model, vram_budget=ddo_blocks.minimum_budget(model), device="cpu")
+    with torch.no_grad():
+        for _ in range(6):
+            model(torch.randn(4, 64))
+    roof = handle.report()["roofline"]
+    assert 0 < roof["efficiency"] <= 1.0, roof
+    handle.remove()

@@ -399,3 +399,25 @@ def test_warm_slabs_do_not_pile_up_when_the_plan_changes(flux):
         ddo_blocks.offload(flux, preset="warm_process", vram_budget=budget, device="cpu", units="block").remove()
         sizes.append(ddo_blocks.warm_bytes())
     assert sizes[2] == sizes[0] and sizes[3] == sizes[1]
+
+
+def test_a_users_wrapper_of_forward_survives_offloading_twice(flux):
+    import functools
+
+    x = flux_inputs(flux)
+    seen = []
+    first = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    inner = flux.forward  # the offload's entry point: the user wraps it while offloaded
+
+    @functools.wraps(inner)
+    def traced(*a, **k):
+        seen.append(1)
+        return inner(*a, **k)
+
+    flux.forward = traced
+    first.remove()  # ours goes transparent under the user's wrapper
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+    with torch.no_grad():
+        flux(**x)
+    assert seen == [1], "the user's wrapper was dropped"
+    handle.remove()

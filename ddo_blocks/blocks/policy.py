@@ -39,7 +39,8 @@ class OffloadPolicy:
     """How one component is placed while its stage runs.
 
     Args:
-        route: ``"linear"``, ``"resident"``, ``"diffusers"`` or ``"off"`` (``python -m ddo_blocks presets``).
+        route: ``"linear"``, ``"resident"``, ``"diffusers"``, ``"sdnq"``, ``"off"`` (``nvme`` needs the
+            model's files: ``from_pretrained``); ``python -m ddo_blocks presets`` lists them.
         preset: a preset of that route, or ``"auto"``.
         vram_budget: bytes, or a string such as ``"6GiB"``, for this component's weights on the device
             (activations come on top). ``None``: no limit. Only the linear route streams within a budget.

@@ -34,7 +34,7 @@ from .upload import STAGING_BYTES, copy_from_host, staged_upload
 
 
 class StreamingEngine:
-    """Streams one component's units through K device slots. Built by the linear and nvme routes.
+    """Streams one component's units through K device slots. Built by the linear, nvme and sdnq routes.
 
     Args:
         module: the component.
@@ -291,6 +291,7 @@ class StreamingEngine:
         steady = secs[1:] if len(secs) > 1 else secs
         median = statistics.median(steady) if steady else None
         fastest = min(steady) if steady else None
+        fastest_call = min((c for c in (calls[1:] if len(calls) > 1 else calls)), key=lambda c: c.seconds, default=None)
         last_bytes = calls[-1].h2d_bytes if calls else None
         fetches, total_bytes, host_wait = self.transport_stats()
         calibrated = self.calibrated_prediction()
@@ -298,7 +299,7 @@ class StreamingEngine:
         roof = roofline_bound(
             link_bytes_per_s=self.link_bytes_per_s, streamed_bytes=self.streamed_bytes,
             calibrated_compute_s=calibrated["compute_s"] if calibrated else None, fastest_call_s=fastest,
-            call_h2d_bytes=last_bytes, disk=self.store.disk_figures(),
+            call_h2d_bytes=fastest_call.h2d_bytes if fastest_call else None, disk=self.store.disk_figures(),
         )
         sections: dict[str, Any] = {
             "plan": dict(

@@ -15,6 +15,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +32,10 @@ log = logging.getLogger("ddo_blocks")
 
 _MAX_PENDING_CALLS = 64
 _MAX_TRACE = 1 << 16
+
+_ENTRIES: weakref.WeakSet = weakref.WeakSet()
+"""Every entry wrapper the schedulers made: told apart by identity, since functools.wraps copies a
+marker attribute onto any wrapper a user builds around ours."""
 
 ENTRY_METHODS = ("forward", "encode", "decode")
 """The entry points that start a call (``encode``/``decode``: VAEs); wrapped so order learning and
@@ -154,7 +159,7 @@ class Scheduler:
             method = getattr(self.module, name, None)
             if not callable(method):
                 continue
-            while getattr(method, "_ddo_entry", False):  # a stale wrapper of an earlier offload
+            while method in _ENTRIES:  # a stale wrapper of an earlier offload (not a user's wrapper of it)
                 method = method.__wrapped__
             wrapper = self._wrap_entry(method)
             setattr(self.module, name, wrapper)
@@ -195,7 +200,7 @@ class Scheduler:
                 finally:
                     sched.exit(clean)
 
-        entry._ddo_entry = True  # type: ignore[attr-defined]
+        _ENTRIES.add(entry)
         return entry
 
     # ---------------------------------------------------------------------------------------------

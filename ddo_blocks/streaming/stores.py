@@ -153,11 +153,6 @@ class HostSlabs:
         return {}
 
 
-def host_store(preset: Preset) -> Any:
-    """The store for a linear-route preset (pinned or staged host slabs)."""
-    return HostSlabs
-
-
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
     """A CPU tensor of ``p``'s shape and dtype backed by one element (NaN when floating)."""
     one = torch.full((), float("nan"), dtype=p.dtype) if p.is_floating_point() else torch.zeros((), dtype=p.dtype)
