@@ -10,6 +10,10 @@ Every component with weights gets a policy by default, all of them inside the on
   budget), else streams on the linear route at its minimum budget (two slots of its largest unit
   plus what never streams).
 
+The budget counts the weights each component keeps on the device between its calls (activations
+come on top); a component on the ``diffusers`` route keeps none, but holds one group (a block, or a
+layer at ``leaf_level``) while it runs, on top of the budget.
+
 Any component can be given its own policy as a keyword (a route name, a mapping such as
 ``{"route": "linear", "vram_budget": "2GiB"}``, or an ``OffloadPolicy``). Everything is validated,
 budgets included, before any weight moves. Components that hold weights in host memory get the
