@@ -162,7 +162,8 @@ def offload(
             already loaded raises ``ConfigError``). ``python -m ddo_blocks presets`` lists them.
         preset: the route's policy; ``"auto"`` chooses.
         vram_budget: bytes or a string such as ``"6GiB"`` for the component's weights on the device
-            (activations come on top). ``None``: no limit (everything resident).
+            (activations come on top); ``"min"``: the smallest plan (streaming routes). ``None``: no
+            limit (everything resident).
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (the same engine, slots in host memory).
         component: a name for reports, e.g. ``"transformer"``.
         **options: the route's own options (e.g. ``offload_type`` for the diffusers route,
@@ -186,7 +187,7 @@ def offload(
         conflict = guards.foreign_offload(module)
         if conflict is not None:
             raise OffloadStateError(f"{type(module).__name__} {conflict}")
-    budget = parse_bytes(vram_budget, what="vram_budget")
+    budget = _budget(vram_budget, module, spec, options)
     dev = resolve_device(device)
     if next(module.parameters(), None) is None:
         raise ConfigError(
@@ -210,6 +211,17 @@ def offload(
     log.info("offloaded %s: route=%s preset=%s (asked %s), vram_budget=%s, on %s in %.2f s", handle.component,
              spec.name, chosen.name, preset, "none" if budget is None else f"{budget} bytes", dev, engine.setup_s)
     return handle
+
+
+def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any]) -> int | None:
+    """Bytes, a size string, ``None``, or ``"min"``: the smallest plan of a streaming route (the
+    always-resident weights plus two slots of the largest unit)."""
+    if vram_budget != "min":
+        return parse_bytes(vram_budget, what="vram_budget")
+    if not spec.streams:
+        raise ConfigError(f"vram_budget='min' is the smallest plan of a route that streams; route {spec.name!r} "
+                          "does not stream: pass bytes, a size such as '6GiB', or None")
+    return minimum_budget(module, units=options.get("units", "auto"))
 
 
 def _check_is_module(module: Any, what: str) -> None:

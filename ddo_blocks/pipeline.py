@@ -144,6 +144,8 @@ def _device_bytes(policy: Any, module: nn.Module) -> int:
     keep no weights there between calls (``diffusers``: one group while it runs, ``off``)."""
     spec = routes.get(policy.route)
     if spec.streams:
+        if policy.vram_budget == "min":
+            return minimum_budget(module, units=policy.options.get("units", "auto"))
         return policy.vram_budget if policy.vram_budget is not None else _weights(module)
     return _weights(module) if spec.holds_all else 0
 

@@ -195,3 +195,17 @@ def test_efficiency_stays_at_most_one_when_calls_run_only_some_units(monkeypatch
     roof = handle.report()["roofline"]
     assert 0 < roof["efficiency"] <= 1.0, roof
     handle.remove()
+
+
+def test_min_budget_everywhere(flux):
+    from ddo_blocks.blocks.policy import OffloadPolicy
+
+    handle = ddo_blocks.offload(flux, vram_budget="min", device="cpu")
+    assert handle.vram_budget == ddo_blocks.minimum_budget(flux)
+    assert handle.report()["plan"]["gpu_bytes"] <= handle.vram_budget
+    handle.remove()
+    with pytest.raises(ConfigError, match="vram_budget='min' is the smallest plan .* route 'resident' does not stream"):
+        ddo_blocks.offload(flux, route="resident", vram_budget="min", device="cpu")
+    assert OffloadPolicy(route="linear", vram_budget="min").describe() == "linear, budget min"
+    with pytest.raises(ConfigError, match="route 'diffusers' does not stream"):
+        OffloadPolicy(route="diffusers", vram_budget="min")

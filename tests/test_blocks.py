@@ -364,3 +364,13 @@ def test_a_component_report_has_the_same_fields_in_a_block_and_through_offload(c
     got["runtime"] -= {"stage_s"}
     assert got == fields
     assert {"offload_type", "use_stream"} <= fields["plan"]
+
+
+def test_a_block_policy_takes_the_min_budget(components, reference):
+    blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="off", decode="off",
+                             denoise={"route": "linear", "vram_budget": "min"})
+    pipe, state = _run(blocks, components)
+    rep = state.get("ddo_reports")["denoise"]["transformer"]
+    assert rep["plan"]["vram_budget"] == ddo_blocks.minimum_budget(components["transformer"])
+    assert torch.equal(state.get("images"), reference)
+    ddo_blocks.blocks.remove_offload(pipe)

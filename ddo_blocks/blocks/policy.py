@@ -56,12 +56,18 @@ class OffloadPolicy:
     route: str = "linear"
     preset: str = "auto"
     vram_budget: int | str | None = None
+    """Bytes after parsing, ``None`` (no limit) or ``"min"``."""
     release: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         routes.resolve(self.route, self.preset)  # names first: the errors list the valid ones
-        object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget, what="vram_budget"))
+        if self.vram_budget == "min":  # resolved for each component when it is placed
+            if not routes.get(self.route).streams:
+                raise ConfigError(f"vram_budget='min' is the smallest plan of a route that streams; route "
+                                  f"{self.route!r} does not stream")
+        else:
+            object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget, what="vram_budget"))
         if not isinstance(self.release, bool):
             raise ConfigError(f"release={self.release!r} must be True or False")
         opts = dict(self.options)
@@ -94,7 +100,7 @@ class OffloadPolicy:
     def describe(self) -> str:
         bits = [self.route if self.preset == "auto" else f"{self.route}/{self.preset}"]
         if self.vram_budget is not None:
-            bits.append(f"budget {fmt_bytes(self.vram_budget)}")
+            bits.append(f"budget {self.vram_budget if self.vram_budget == 'min' else fmt_bytes(self.vram_budget)}")
         bits += [f"{k}={v}" for k, v in sorted(self.options.items())]
         if self.release:
             bits.append("release")
