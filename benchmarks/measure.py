@@ -183,3 +183,20 @@ class RssSampler:
         self._thread.join()
         end = self.sample()
         return RssPeak(start=self.start_rss, end=end, sampled=self.peak, ru_maxrss=ru_maxrss_bytes())
+
+
+# -------------------------------------------------------------------------------------------------
+# outputs
+# -------------------------------------------------------------------------------------------------
+def write_rows(out: str, stem: str, doc: dict[str, Any], markdown: str) -> int:
+    """Writes ``<stem>.json`` and ``<stem>.md`` into ``out``, prints the Markdown, and returns the
+    exit code: 0 when every row's output was exact (``row["exact"]``), else 1."""
+    import json
+    from pathlib import Path
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(doc, indent=2))
+    (folder / f"{stem}.md").write_text(markdown)
+    print(markdown)
+    return 0 if all(r["exact"] for r in doc["rows"]) else 1

@@ -17,12 +17,11 @@ import platform
 import subprocess
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.measure import Timing, time_forward
+from benchmarks.measure import Timing, time_forward, write_rows
 
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
@@ -185,12 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     doc = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline.json").write_text(json.dumps(doc, indent=2))
-    (out / "pipeline.md").write_text(markdown(doc))
-    print(markdown(doc))
-    return 0 if all(r["exact"] for r in doc["rows"]) else 1
+    return write_rows(args.out, "pipeline", doc, markdown(doc))
 
 
 if __name__ == "__main__":

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import warnings
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.measure import parse_size, time_forward
+from benchmarks.measure import parse_size, time_forward, write_rows
 
 
 def _quantize(model: torch.nn.Module, fmt: str, device: torch.device, tiny: bool) -> torch.nn.Module:
@@ -158,12 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args.budgets = [parse_size(b) for b in args.budgets.split(",")]
     args.formats = args.formats.split(",")
     doc = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sdnq.json").write_text(json.dumps(doc, indent=2))
-    (out / "sdnq.md").write_text(markdown(doc))
-    print(markdown(doc))
-    return 0 if all(r["exact"] for r in doc["rows"]) else 1
+    return write_rows(args.out, "sdnq", doc, markdown(doc))
 
 
 if __name__ == "__main__":
