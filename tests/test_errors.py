@@ -179,3 +179,22 @@ def test_autograd_through_streamed_weights_is_refused(flux_state):
     flux.requires_grad_(True)
     handle.remove()
     _still_usable(flux, snap, x, ref)
+
+
+def test_a_failure_while_releasing_slabs_still_restores_every_parameter(flux_state, monkeypatch):
+    flux, snap, x, ref = flux_state
+    from ddo_blocks.streaming import slabs as slabs_mod
+
+    handle = ddo_blocks.offload(flux, vram_budget=budgets(flux)["all_streamed"], device="cpu")
+
+    def broken(self, orig_device, keep_warm):
+        raise MemoryError("injected while copying out of the slabs")
+
+    monkeypatch.setattr(slabs_mod.SlabSet, "release", broken)
+    with pytest.raises(MemoryError, match="injected"):
+        handle.remove()
+    monkeypatch.undo()
+    assert handle.removed  # detached: the state says so, and the values are still right
+    assert all(p.device.type == "cpu" for p in flux.parameters())
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)

@@ -190,19 +190,23 @@ class StreamingEngine:
                 close_error = exc
             finally:
                 self.transport = None
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.slots.close()
-        self.store.release(self.orig_device, keep_warm=self.preset.keep_warm and was_attached)
-        for _, p in self.module.named_parameters():
-            dev = self.orig_device.get(id(p))
-            if dev is not None and p.device != dev:
-                p.data = p.data.to(dev)
-        for owner, name, dev in self._orig_buffers:
-            buf = owner._buffers.get(name)
-            if buf is not None and buf.device != dev:
-                owner._buffers[name] = buf.to(dev)
-        self._orig_buffers.clear()
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.slots.close()
+            # slabs go one at a time; a parameter whose copy-out failed still points into its slab
+            # (the memory stays alive through the view), so its values stay right
+            self.store.release(self.orig_device, keep_warm=self.preset.keep_warm and was_attached)
+        finally:  # whatever failed above, every parameter and buffer goes back to its device
+            for _, p in self.module.named_parameters():
+                dev = self.orig_device.get(id(p))
+                if dev is not None and p.device != dev:
+                    p.data = p.data.to(dev)
+            for owner, name, dev in self._orig_buffers:
+                buf = owner._buffers.get(name)
+                if buf is not None and buf.device != dev:
+                    owner._buffers[name] = buf.to(dev)
+            self._orig_buffers.clear()
         if close_error is not None:
             raise close_error
         if deferred is not None:
