@@ -33,16 +33,13 @@ from .api import OffloadHandle, get_handle, minimum_budget, offload, resolve_dev
 from .budget import fmt_bytes, parse_bytes
 from .errors import BudgetError, ConfigError, DdoError, OffloadStateError
 from .report import Report
+from .routes.resident import device_bytes
 from .streaming.guards import foreign_offload
 
 SMALL_FRACTION = 0.1
 """A component of at most this fraction of the budget stays resident by default."""
 
 DENOISERS = ("transformer", "unet")
-
-
-def _weights(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 @dataclass
@@ -115,7 +112,7 @@ def _denoiser(modules: dict[str, nn.Module]) -> str:
     for name in DENOISERS:
         if name in modules:
             return name
-    return max(modules, key=lambda n: _weights(modules[n]))
+    return max(modules, key=lambda n: device_bytes(modules[n]))
 
 
 def _check_not_offloaded(modules: dict[str, nn.Module], given: dict[str, Any]) -> None:
@@ -146,8 +143,8 @@ def _device_bytes(policy: Any, module: nn.Module) -> int:
     if spec.streams:
         if policy.vram_budget == "min":
             return minimum_budget(module, units=policy.options.get("units", "auto"))
-        return policy.vram_budget if policy.vram_budget is not None else _weights(module)
-    return _weights(module) if spec.holds_all else 0
+        return policy.vram_budget if policy.vram_budget is not None else device_bytes(module)
+    return device_bytes(module) if spec.holds_all else 0
 
 
 def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str,
@@ -164,7 +161,7 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
         if name == denoiser:
             continue
         if name not in policies:
-            size = _weights(module)
+            size = device_bytes(module)
             smallest = minimum_budget(module) if budget is not None else size
             if budget is None or size <= SMALL_FRACTION * budget or size <= smallest:
                 policies[name] = OffloadPolicy(route="resident")
