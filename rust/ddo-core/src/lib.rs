@@ -9,6 +9,8 @@
 //! - [`planner`] and [`mod@simulate`]: deciding which units stay resident and
 //!   how many slots stream the rest under a VRAM budget, scored by a
 //!   discrete-event model of a copy stream and a compute stream;
+//! - [`codec`]: the lossless fixed-rate (12-bit) code for bf16 weights, the
+//!   reference encoder and decoder;
 //! - [`cache`]: the NVMe route's RAM cache (which streamed units stay in
 //!   host RAM, the rest re-read from disk every pass), and [`reads`]: the
 //!   coalesced, aligned read plan of a unit streamed from files.
@@ -21,6 +23,7 @@
 #![warn(missing_docs)]
 
 pub mod cache;
+pub mod codec;
 pub mod dtype;
 pub mod error;
 pub mod index;

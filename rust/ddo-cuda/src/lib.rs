@@ -12,6 +12,7 @@
 //! wrapping ranges are refused with an error rather than trusted. This crate never frees memory it
 //! did not allocate.
 
+pub mod codec;
 mod deferred;
 mod driver;
 mod error;

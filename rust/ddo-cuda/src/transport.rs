@@ -11,6 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::codec::{DecodeRing, DecodeStage, HostCodedUnit};
 use crate::deferred::ErrorSlot;
 use crate::driver::{bind_context, ContextGuard, Stream};
 use crate::error::{CudaError, Result};
@@ -47,6 +48,8 @@ pub struct Transport {
     stats: TransportStats,
     files: Vec<Arc<ReadFile>>,
     file_units: Vec<Arc<FileUnit>>,
+    coded_units: Vec<Arc<HostCodedUnit>>,
+    decoder: Option<Arc<DecodeRing>>,
     /// Shared with the events, the ring and its threads; checked by every call that fetches or
     /// orders, returned by [`Transport::close`], passed to the process slot when dropped.
     errors: ErrorSlot,
@@ -110,6 +113,8 @@ impl Transport {
             stats: TransportStats::default(),
             files: Vec::new(),
             file_units: Vec::new(),
+            coded_units: Vec::new(),
+            decoder: None,
             errors,
         })
     }
@@ -264,6 +269,124 @@ impl Transport {
         self.stats.disk_bytes = self.stats.disk_bytes.saturating_add(fu.read_bytes);
         self.pending[slot] = stager.submit(Job::new(Source::File(fu), Sink::Slot { slot, dst }))?;
         Ok(())
+    }
+
+    /// Gives the transport its decode ring for coded units (CUDA target): `landing` device buffers
+    /// of `landing_bytes` each and the stream decodes run on.
+    ///
+    /// # Safety
+    /// As [`DecodeRing::new`]: the landing buffers are device memory of the target's device,
+    /// 16-byte aligned, used by nothing else, and they and the stream stay alive until the
+    /// transport is closed or dropped.
+    pub unsafe fn set_decoder(
+        &mut self,
+        decode_stream: Stream,
+        landing: Vec<usize>,
+        landing_bytes: usize,
+    ) -> Result<()> {
+        let Target::Cuda { ordinal, .. } = self.target else {
+            return Err(CudaError::InvalidArgument(
+                "the CPU target decodes on the host: it has no decode ring".into(),
+            ));
+        };
+        let _ctx = self.bind()?;
+        // SAFETY: the caller upholds `DecodeRing::new`'s contract.
+        let ring = unsafe {
+            DecodeRing::new(ordinal, decode_stream, landing, landing_bytes, &self.errors)?
+        };
+        self.decoder = Some(Arc::new(ring));
+        Ok(())
+    }
+
+    /// Registers a unit held in coded form in `unit.nbytes` host bytes at `host`; returns its index.
+    /// A coded chunk larger than the decode ring's landing buffers is refused.
+    pub fn add_coded_unit(
+        &mut self,
+        unit: ddo_core::codec::CodedUnit,
+        host: usize,
+    ) -> Result<usize> {
+        crate::host::check_host_range("coded unit", host, unit.nbytes)?;
+        if unit
+            .pieces
+            .iter()
+            .any(|p| p.src.checked_add(p.len).is_none_or(|e| e > unit.nbytes))
+        {
+            return Err(CudaError::InvalidArgument(
+                "a piece runs past its coded unit".into(),
+            ));
+        }
+        if let Target::Cuda { .. } = self.target {
+            let need = unit.largest_coded();
+            let have = self.decoder.as_ref().map_or(0, |r| r.landing_bytes());
+            if need > have {
+                return Err(CudaError::InvalidArgument(format!(
+                    "a coded chunk of {need} bytes needs landing buffers that large, the decode                      ring has {have} (set_decoder first)"
+                )));
+            }
+        }
+        self.coded_units
+            .push(Arc::new(HostCodedUnit { unit, host }));
+        Ok(self.coded_units.len() - 1)
+    }
+
+    /// Starts filling `slot` (at address `dst`) with coded unit `unit`: its raw pieces copied
+    /// into the slot, its coded chunks through the landing buffers and decoded. Returns without
+    /// waiting. Needs the direct path (no staging ring).
+    ///
+    /// # Safety
+    /// The unit's host buffer (as registered) is readable, unmodified and allocated, and `dst` is
+    /// writable memory of the target holding the unit's span, until the fetch completed
+    /// ([`Transport::drain`]), as for [`Transport::fetch`].
+    pub unsafe fn fetch_coded(&mut self, slot: usize, dst: usize, unit: usize) -> Result<()> {
+        self.errors.check()?;
+        self.check_slot(slot)?;
+        if self.stager.is_some() {
+            return Err(CudaError::InvalidArgument(
+                "coded units are fetched on the direct path, without a staging ring".into(),
+            ));
+        }
+        let cu = self.coded_units.get(unit).cloned().ok_or_else(|| {
+            CudaError::InvalidArgument(format!(
+                "coded unit {unit} out of range ({} registered)",
+                self.coded_units.len()
+            ))
+        })?;
+        let span = cu
+            .unit
+            .pieces
+            .iter()
+            .map(|p| p.dst + p.out_bytes())
+            .max()
+            .unwrap_or(0);
+        crate::host::check_host_range("coded fetch destination", dst, span)?;
+        self.stats.fetches += 1;
+        self.stats.bytes = self.stats.bytes.saturating_add(cu.unit.nbytes as u64);
+        let copies: Vec<Span> = cu
+            .unit
+            .pieces
+            .iter()
+            .filter(|p| matches!(p.kind, ddo_core::codec::PieceKind::Raw(_)))
+            .map(|p| Span {
+                offset: p.dst,
+                src: cu.host + p.src,
+                len: p.len,
+            })
+            .collect();
+        let mut job = Job::new(
+            Source::Host {
+                src: cu.host,
+                n: cu.unit.nbytes,
+            },
+            Sink::Slot { slot, dst },
+        );
+        job.post_copy = Some(Arc::new(DecodeStage {
+            unit: cu,
+            ring: self.decoder.clone(),
+        }));
+        let _ctx = self.bind()?;
+        // SAFETY: the caller upholds this function's contract: every raw piece reads the unit's
+        // host buffer and writes inside the slot's span.
+        unsafe { enqueue(&*self.lane, Part::whole(&job), copies) }
     }
 
     /// Makes `compute_stream` wait until the last fetch into `slot` has landed.

@@ -2,6 +2,7 @@
 //! keeps the tensors behind them alive; Rust plans, copies and orders. Every error leaves through
 //! [`errors`], one exhaustive mapping into the Python hierarchy rooted at `DdoError`.
 
+mod codec;
 mod errors;
 mod index;
 mod kernel;
@@ -18,5 +19,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     index::register(m)?;
     transport::register(m)?;
     kernel::register(m)?;
+    codec::register(m)?;
     Ok(())
 }

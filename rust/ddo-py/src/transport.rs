@@ -228,6 +228,46 @@ impl Transport {
             .map_err(cuda_err)
     }
 
+    /// Gives the transport its decode ring for coded units: `landing` device addresses of
+    /// `landing_bytes` each, decodes queued on `decode_stream` (a `cuda_stream` handle).
+    fn set_decoder(
+        &mut self,
+        decode_stream: u64,
+        landing: Vec<usize>,
+        landing_bytes: usize,
+    ) -> PyResult<()> {
+        let t = self.get()?;
+        // SAFETY: streaming/coded.py passes the data pointers of one CUDA tensor it allocated for
+        // the landing buffers (256-byte aligned, `landing_bytes` apart) and the handle of a
+        // `torch.cuda.Stream` it created on the transport's device, both kept until the
+        // transport is closed.
+        unsafe { t.set_decoder(Stream::from_raw(decode_stream), landing, landing_bytes) }
+            .map_err(cuda_err)
+    }
+
+    /// Registers a unit held in coded form at host address `host`; returns its index.
+    fn add_coded_unit(&mut self, unit: &crate::codec::CodedUnit, host: usize) -> PyResult<usize> {
+        self.get()?
+            .add_coded_unit(unit.inner.clone(), host)
+            .map_err(cuda_err)
+    }
+
+    /// Starts filling `slot` at `dst` with coded unit `unit` (copies, then decode).
+    fn fetch_coded(
+        &mut self,
+        py: Python<'_>,
+        slot: usize,
+        dst: usize,
+        unit: usize,
+    ) -> PyResult<()> {
+        let t = self.get()?;
+        // SAFETY: as for `fetch`: `dst` is a slot tensor's data pointer sized for the largest
+        // unit, and the unit's host buffer (a slab of streaming/coded.py) is kept alive and
+        // unmodified until the transport is drained or closed.
+        py.detach(|| unsafe { t.fetch_coded(slot, dst, unit) })
+            .map_err(cuda_err)
+    }
+
     /// `(file_fetches, disk_bytes)` so far.
     fn disk_stats(&mut self) -> PyResult<(u64, u64)> {
         let s = self.get()?.stats();

@@ -1,0 +1,693 @@
+//! A lossless fixed-rate code for bf16 weights: 12 bits per value instead of 16.
+//!
+//! A bf16 value is `sign(1) exponent(8) mantissa(7)`. Sign and mantissa carry close to their full
+//! entropy and are kept as they are (one byte per value); the exponent of trained and
+//! random-normal weights alike sits in a narrow window below the largest one nearby, so it is sent
+//! as a 4-bit code relative to a per-block base:
+//!
+//! | code   | exponent                                   |
+//! |--------|--------------------------------------------|
+//! | 0      | 0 (zero and subnormals)                    |
+//! | 1..=14 | `base + code - 1`                          |
+//! | 15     | escape: the exponent is in the escape list |
+//!
+//! `base` is chosen per [`BLOCK`] values as `max(1, e_max - 13)`, `e_max` the block's largest
+//! exponent below 255 (Inf and NaN always escape, with their payload in the mantissa byte). An
+//! escape is one `u32`: `(index << 8) | exponent`, sorted by index, so a decoder thread that meets
+//! code 15 finds its exponent by binary search. Decoding is branch-free except for escapes, and
+//! every bit comes back: the code is exact for any 16-bit pattern.
+//!
+//! A tensor is coded in chunks of at most [`CHUNK_ELEMS`] values, each laid out on its own
+//! ([`chunk_layout`]): `bases | sign+mantissa bytes | codes (two per byte, low nibble first) |
+//! escapes`, every section 16-byte aligned, so a GPU thread reads 8 values with one 8-byte load,
+//! one 4-byte load and writes them with one 16-byte store. A chunk whose code would not be smaller
+//! than the raw bytes is left raw ([`worth_coding`]).
+//!
+//! This module is the reference: the CPU engine decodes with it, and the GPU kernel is checked
+//! against it bit for bit.
+
+use crate::error::{CoreError, Result};
+
+/// Values sharing one exponent base.
+pub const BLOCK: usize = 512;
+/// Most values in one chunk (8 Mi values: 16 MiB of bf16); escape indices fit in 24 bits.
+pub const CHUNK_ELEMS: usize = 1 << 23;
+/// The code marking an escaped exponent.
+pub const ESCAPE: u8 = 15;
+/// Exponents a block's window covers above code 0.
+pub const WINDOW: u16 = 14;
+/// Section alignment inside a chunk.
+pub const SECTION_ALIGN: usize = 16;
+/// Values a GPU thread decodes at once; planes are padded to this.
+pub const VALUES_PER_THREAD: usize = 8;
+
+const fn align16(n: usize) -> usize {
+    n.div_ceil(SECTION_ALIGN) * SECTION_ALIGN
+}
+
+/// Where each section of a coded chunk of `n` values with `n_esc` escapes sits (byte offsets from
+/// the chunk's start), and its size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkLayout {
+    /// Values in the chunk.
+    pub n: usize,
+    /// Escapes in the chunk.
+    pub n_esc: usize,
+    /// One base exponent per block, from offset 0.
+    pub bases: usize,
+    /// Sign and mantissa, one byte per value.
+    pub signs: usize,
+    /// 4-bit exponent codes, two per byte.
+    pub codes: usize,
+    /// Escapes, one little-endian `u32` each.
+    pub escapes: usize,
+    /// The chunk's size (a multiple of 16).
+    pub nbytes: usize,
+}
+
+/// The layout of a chunk of `n` values with `n_esc` escapes.
+pub fn chunk_layout(n: usize, n_esc: usize) -> ChunkLayout {
+    let padded = n.div_ceil(VALUES_PER_THREAD) * VALUES_PER_THREAD;
+    let bases = 0;
+    let signs = align16(n.div_ceil(BLOCK));
+    let codes = signs + align16(padded);
+    let escapes = codes + align16(padded / 2);
+    let nbytes = align16(escapes + 4 * n_esc);
+    ChunkLayout {
+        n,
+        n_esc,
+        bases,
+        signs,
+        codes,
+        escapes,
+        nbytes,
+    }
+}
+
+/// Whether a chunk of `n` values with `n_esc` escapes is smaller coded than raw (`2 n` bytes) and
+/// no larger than `max_bytes` (the landing buffer a GPU decode reads it from).
+pub fn worth_coding(n: usize, n_esc: usize, max_bytes: usize) -> bool {
+    let size = chunk_layout(n, n_esc).nbytes;
+    n > 0 && size < 2 * n && size <= max_bytes
+}
+
+/// The chunks of a tensor of `n` values: `(first value, values)`.
+pub fn chunks(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n.div_ceil(CHUNK_ELEMS)).map(move |c| {
+        let start = c * CHUNK_ELEMS;
+        (start, CHUNK_ELEMS.min(n - start))
+    })
+}
+
+#[inline]
+fn exponent(v: u16) -> u16 {
+    (v >> 7) & 0xff
+}
+
+/// The base exponent of one block: its largest finite exponent minus 13, at least 1.
+fn block_base(block: &[u16]) -> u16 {
+    let e_max = block
+        .iter()
+        .map(|&v| exponent(v))
+        .filter(|&e| e < 255)
+        .max()
+        .unwrap_or(0);
+    e_max.saturating_sub(WINDOW - 1).max(1)
+}
+
+#[inline]
+fn code_of(e: u16, base: u16) -> u8 {
+    if e == 0 {
+        0
+    } else if e >= base && e < base + WINDOW {
+        (e - base + 1) as u8
+    } else {
+        ESCAPE
+    }
+}
+
+/// Escapes a chunk of these values will have.
+pub fn count_escapes(values: &[u16]) -> usize {
+    values
+        .chunks(BLOCK)
+        .map(|block| {
+            let base = block_base(block);
+            block
+                .iter()
+                .filter(|&&v| code_of(exponent(v), base) == ESCAPE)
+                .count()
+        })
+        .sum()
+}
+
+/// Codes one chunk of `values` (at most [`CHUNK_ELEMS`]) into `out`, which must be exactly
+/// [`chunk_layout`]`(values.len(), count_escapes(values)).nbytes` bytes. Returns the escapes written.
+pub fn encode_chunk(values: &[u16], out: &mut [u8]) -> Result<usize> {
+    let n = values.len();
+    if n > CHUNK_ELEMS {
+        return Err(CoreError::InvalidArgument(format!(
+            "a coded chunk holds at most {CHUNK_ELEMS} values, got {n}"
+        )));
+    }
+    let n_esc = count_escapes(values);
+    let lay = chunk_layout(n, n_esc);
+    if out.len() != lay.nbytes {
+        return Err(CoreError::InvalidArgument(format!(
+            "a chunk of {n} values with {n_esc} escapes codes to {} bytes, the buffer has {}",
+            lay.nbytes,
+            out.len()
+        )));
+    }
+    out.fill(0);
+    let (head, esc_bytes) = out.split_at_mut(lay.escapes);
+    let (head, code_bytes) = head.split_at_mut(lay.codes);
+    let (base_bytes, sign_bytes) = head.split_at_mut(lay.signs);
+    let mut escapes = esc_bytes.chunks_exact_mut(4);
+    for (b, block) in values.chunks(BLOCK).enumerate() {
+        let base = block_base(block);
+        base_bytes[b] = base as u8;
+        let first = b * BLOCK;
+        for (k, &v) in block.iter().enumerate() {
+            let i = first + k;
+            let e = exponent(v);
+            sign_bytes[i] = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
+            let code = code_of(e, base);
+            code_bytes[i / 2] |= code << (4 * (i % 2));
+            if code == ESCAPE {
+                let entry = ((i as u32) << 8) | u32::from(e);
+                // count_escapes counted exactly these, so the iterator cannot run out
+                if let Some(slot) = escapes.next() {
+                    slot.copy_from_slice(&entry.to_le_bytes());
+                }
+            }
+        }
+    }
+    Ok(n_esc)
+}
+
+fn corrupt(msg: String) -> CoreError {
+    CoreError::InvalidArgument(format!("corrupt coded chunk: {msg}"))
+}
+
+/// Decodes one chunk of `out.len()` values with `n_esc` escapes from `coded` (at least
+/// [`chunk_layout`]`(out.len(), n_esc).nbytes` bytes). A chunk that is not what [`encode_chunk`]
+/// writes (a base out of range, escapes out of order or not matching the codes) is an error.
+pub fn decode_chunk(coded: &[u8], n_esc: usize, out: &mut [u16]) -> Result<()> {
+    let n = out.len();
+    let lay = chunk_layout(n, n_esc);
+    if coded.len() < lay.nbytes {
+        return Err(corrupt(format!(
+            "{n} values with {n_esc} escapes need {} bytes, got {}",
+            lay.nbytes,
+            coded.len()
+        )));
+    }
+    let esc_at = |k: usize| {
+        let b = &coded[lay.escapes + 4 * k..lay.escapes + 4 * k + 4];
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    };
+    let mut next_esc = 0usize;
+    for (b, block) in out.chunks_mut(BLOCK).enumerate() {
+        let base = u16::from(coded[lay.bases + b]);
+        if !(1..=255 - WINDOW).contains(&base) {
+            return Err(corrupt(format!("block {b} has base exponent {base}")));
+        }
+        let first = b * BLOCK;
+        for (k, slot) in block.iter_mut().enumerate() {
+            let i = first + k;
+            let sm = u16::from(coded[lay.signs + i]);
+            let code = (coded[lay.codes + i / 2] >> (4 * (i % 2))) & 0xf;
+            let e = match code {
+                0 => 0,
+                ESCAPE => {
+                    if next_esc >= n_esc {
+                        return Err(corrupt(format!("value {i} escapes past the escape list")));
+                    }
+                    let entry = esc_at(next_esc);
+                    if (entry >> 8) as usize != i {
+                        return Err(corrupt(format!(
+                            "escape {next_esc} is for value {}, expected {i}",
+                            entry >> 8
+                        )));
+                    }
+                    next_esc += 1;
+                    (entry & 0xff) as u16
+                }
+                c => base + u16::from(c) - 1,
+            };
+            *slot = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7f);
+        }
+    }
+    if next_esc != n_esc {
+        return Err(corrupt(format!("{n_esc} escapes listed, {next_esc} used")));
+    }
+    Ok(())
+}
+
+/// Gaps between two raw tensors in a slot up to this many bytes are sent along (one copy, not two).
+pub const RAW_MERGE_GAP: usize = 4096;
+/// Alignment of each piece in a coded unit's host buffer.
+pub const PIECE_ALIGN: usize = 64;
+
+/// One tensor of a unit to be coded: where it sits in the slot, its bytes (the storage it spans),
+/// and whether it is bf16 (only bf16 is coded; the rest is sent as it is).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Offset in the slot.
+    pub dst: usize,
+    /// Bytes.
+    pub nbytes: usize,
+    /// bf16 values to code (`nbytes` must then be even).
+    pub bf16: bool,
+}
+
+/// Bytes of tensor `tensor` from byte `tensor_offset`, at `offset` bytes into a raw piece.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Index into the unit's tensors.
+    pub tensor: usize,
+    /// First byte of the tensor.
+    pub tensor_offset: usize,
+    /// Offset in the piece.
+    pub offset: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// What a piece holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PieceKind {
+    /// Bytes copied as they are: segments of tensors, the gaps between them zero.
+    Raw(Vec<Segment>),
+    /// One coded chunk of `values` bf16 values of `tensor` from value `first_value`.
+    Coded {
+        /// Index into the unit's tensors.
+        tensor: usize,
+        /// The chunk's first value in the tensor.
+        first_value: usize,
+        /// Values in the chunk.
+        values: usize,
+        /// Escapes in the chunk.
+        escapes: usize,
+    },
+}
+
+/// One piece of a coded unit: `len` bytes at `src` in the unit's host buffer that fill the slot
+/// from `dst` (raw) or decode into it (coded).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    /// What it holds.
+    pub kind: PieceKind,
+    /// Offset in the unit's host buffer.
+    pub src: usize,
+    /// Bytes in the host buffer (what crosses the link).
+    pub len: usize,
+    /// Offset in the slot.
+    pub dst: usize,
+}
+
+impl Piece {
+    /// Bytes the piece fills in the slot.
+    pub fn out_bytes(&self) -> usize {
+        match &self.kind {
+            PieceKind::Raw(_) => self.len,
+            PieceKind::Coded { values, .. } => 2 * values,
+        }
+    }
+}
+
+/// A unit in coded form: its pieces, in slot order, and the size of its host buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CodedUnit {
+    /// Raw and coded pieces.
+    pub pieces: Vec<Piece>,
+    /// Bytes of the host buffer (what one fetch sends over the link).
+    pub nbytes: usize,
+}
+
+impl CodedUnit {
+    /// Bytes the unit fills in the slot.
+    pub fn out_bytes(&self) -> usize {
+        self.pieces.iter().map(Piece::out_bytes).sum()
+    }
+
+    /// The largest coded piece (what one landing buffer must hold), 0 without one.
+    pub fn largest_coded(&self) -> usize {
+        self.pieces
+            .iter()
+            .filter(|p| matches!(p.kind, PieceKind::Coded { .. }))
+            .map(|p| p.len)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Lays out a unit in coded form. `escapes[t]` lists, for bf16 tensor `t`, the escapes of each of
+/// its [`chunks`] (from [`count_escapes`]); it is ignored for the others. A chunk is coded when
+/// [`worth_coding`] with `max_chunk_bytes` (the landing buffer), raw otherwise. Raw bytes of
+/// neighbouring tensors less than [`RAW_MERGE_GAP`] apart in the slot share one piece.
+pub fn layout_coded_unit(
+    tensors: &[TensorSpec],
+    escapes: &[Vec<usize>],
+    max_chunk_bytes: usize,
+) -> Result<CodedUnit> {
+    if escapes.len() != tensors.len() {
+        return Err(CoreError::InvalidArgument(format!(
+            "{} tensors but escape counts for {}",
+            tensors.len(),
+            escapes.len()
+        )));
+    }
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&t| tensors[t].dst);
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut end = 0usize; // host bytes used
+    let overflow =
+        || CoreError::InvalidArgument("a coded unit larger than the address space".into());
+    let raw = |pieces: &mut Vec<Piece>, end: &mut usize, seg: Segment, dst: usize| -> Result<()> {
+        if let Some(Piece {
+            kind: PieceKind::Raw(segs),
+            len,
+            dst: pdst,
+            ..
+        }) = pieces.last_mut()
+        {
+            let slot_end = *pdst + *len;
+            if dst >= slot_end && dst - slot_end <= RAW_MERGE_GAP {
+                let offset = dst - *pdst;
+                segs.push(Segment { offset, ..seg });
+                *len = offset + seg.len;
+                *end = pieces.last().map_or(0, |p| p.src + p.len);
+                return Ok(());
+            }
+        }
+        let src = end
+            .checked_next_multiple_of(PIECE_ALIGN)
+            .ok_or_else(overflow)?;
+        pieces.push(Piece {
+            kind: PieceKind::Raw(vec![Segment { offset: 0, ..seg }]),
+            src,
+            len: seg.len,
+            dst,
+        });
+        *end = src.checked_add(seg.len).ok_or_else(overflow)?;
+        Ok(())
+    };
+    for &t in &order {
+        let spec = tensors[t];
+        if spec.nbytes == 0 {
+            continue;
+        }
+        let whole = Segment {
+            tensor: t,
+            tensor_offset: 0,
+            offset: 0,
+            len: spec.nbytes,
+        };
+        if !spec.bf16 {
+            raw(&mut pieces, &mut end, whole, spec.dst)?;
+            continue;
+        }
+        if spec.nbytes % 2 != 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "tensor {t} is bf16 but spans an odd number of bytes ({})",
+                spec.nbytes
+            )));
+        }
+        let counts = &escapes[t];
+        let n_chunks = chunks(spec.nbytes / 2).count();
+        if counts.len() != n_chunks {
+            return Err(CoreError::InvalidArgument(format!(
+                "tensor {t} has {n_chunks} chunks but {} escape counts",
+                counts.len()
+            )));
+        }
+        for ((first, values), &n_esc) in chunks(spec.nbytes / 2).zip(counts) {
+            let dst = spec.dst + 2 * first;
+            if worth_coding(values, n_esc, max_chunk_bytes) {
+                let len = chunk_layout(values, n_esc).nbytes;
+                let src = end
+                    .checked_next_multiple_of(PIECE_ALIGN)
+                    .ok_or_else(overflow)?;
+                pieces.push(Piece {
+                    kind: PieceKind::Coded {
+                        tensor: t,
+                        first_value: first,
+                        values,
+                        escapes: n_esc,
+                    },
+                    src,
+                    len,
+                    dst,
+                });
+                end = src.checked_add(len).ok_or_else(overflow)?;
+            } else {
+                let seg = Segment {
+                    tensor: t,
+                    tensor_offset: 2 * first,
+                    offset: 0,
+                    len: 2 * values,
+                };
+                raw(&mut pieces, &mut end, seg, dst)?;
+            }
+        }
+    }
+    Ok(CodedUnit {
+        pieces,
+        nbytes: end.next_multiple_of(PIECE_ALIGN),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(values: &[u16]) -> ChunkLayout {
+        let n_esc = count_escapes(values);
+        let lay = chunk_layout(values.len(), n_esc);
+        let mut coded = vec![0xAAu8; lay.nbytes];
+        assert_eq!(encode_chunk(values, &mut coded).unwrap(), n_esc);
+        let mut back = vec![0u16; values.len()];
+        decode_chunk(&coded, n_esc, &mut back).unwrap();
+        assert_eq!(back, values);
+        lay
+    }
+
+    /// A deterministic stream of pseudo-random bits (xorshift).
+    fn bits(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed.max(1);
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        }
+    }
+
+    fn bf16(x: f32) -> u16 {
+        (x.to_bits() >> 16) as u16
+    }
+
+    /// Normal(0, sigma) values as bf16 (Box-Muller).
+    fn normal_bf16(n: usize, sigma: f32, seed: u64) -> Vec<u16> {
+        let mut r = bits(seed);
+        (0..n)
+            .map(|_| {
+                let u1 = ((r() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+                let u2 = (r() >> 11) as f64 / (1u64 << 53) as f64;
+                let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+                bf16(z as f32 * sigma)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn normal_weights_code_to_three_quarters() {
+        let v = normal_bf16(1 << 20, 0.02, 7);
+        let lay = round_trip(&v);
+        let ratio = lay.nbytes as f64 / (2 * v.len()) as f64;
+        assert!(ratio < 0.752, "ratio {ratio}");
+        assert!(lay.n_esc < v.len() / 1000, "{} escapes", lay.n_esc);
+    }
+
+    #[test]
+    fn heavy_tails_and_mixed_scales_round_trip() {
+        let mut r = bits(3);
+        // Cauchy-like: a ratio of normals spans many exponents
+        let a = normal_bf16(70_001, 1.0, 11);
+        let b = normal_bf16(70_001, 1.0, 12);
+        let v: Vec<u16> = a
+            .iter()
+            .zip(&b)
+            .map(|(&x, &y)| {
+                let (x, y) = (
+                    f32::from_bits(u32::from(x) << 16),
+                    f32::from_bits(u32::from(y) << 16),
+                );
+                let scale = [1e-30f32, 1e-3, 1.0, 1e20][(r() % 4) as usize];
+                bf16(x / y.max(1e-3) * scale)
+            })
+            .collect();
+        round_trip(&v);
+    }
+
+    #[test]
+    fn edge_values_round_trip() {
+        let specials: Vec<u16> = vec![
+            0x0000, 0x8000, // +0, -0
+            0x0001, 0x807f, 0x0040, // subnormals
+            0x7f80, 0xff80, // +-Inf
+            0x7fc0, 0x7fc1, 0xffff, 0x7f81, // NaNs with payloads
+            0x0080, 0x7f7f, 0xff7f, // smallest normal, largest finite
+        ];
+        for len in [0, 1, 2, 7, 8, 9, 15, 16, 17, 511, 512, 513, 1023, 1025] {
+            let v: Vec<u16> = (0..len).map(|i| specials[i % specials.len()]).collect();
+            round_trip(&v);
+        }
+    }
+
+    #[test]
+    fn every_bit_pattern_round_trips() {
+        let v: Vec<u16> = (0..=u16::MAX).collect();
+        round_trip(&v);
+        let mut r = bits(99);
+        let v: Vec<u16> = (0..100_003).map(|_| r() as u16).collect();
+        round_trip(&v);
+    }
+
+    #[test]
+    fn all_escape_blocks_round_trip_and_are_not_worth_coding() {
+        // every block: one huge value and the rest tiny, so all but one escape
+        let v: Vec<u16> = (0..4 * BLOCK)
+            .map(|i| {
+                if i % BLOCK == 0 {
+                    bf16(1e30)
+                } else {
+                    bf16(1e-30)
+                }
+            })
+            .collect();
+        let lay = round_trip(&v);
+        assert_eq!(lay.n_esc, v.len() - 4);
+        assert!(!worth_coding(v.len(), lay.n_esc, usize::MAX));
+        assert!(worth_coding(v.len(), 0, usize::MAX));
+        assert!(!worth_coding(v.len(), 0, 16));
+        assert!(!worth_coding(0, 0, usize::MAX));
+    }
+
+    #[test]
+    fn zeros_code_without_escapes() {
+        let v = vec![0u16; 3000];
+        assert_eq!(round_trip(&v).n_esc, 0);
+    }
+
+    #[test]
+    fn layout_sections_are_aligned_and_padded_for_eight_values_a_thread() {
+        for n in [1, 8, 9, 511, 512, 100_001, CHUNK_ELEMS] {
+            let l = chunk_layout(n, 3);
+            for off in [l.signs, l.codes, l.escapes, l.nbytes] {
+                assert_eq!(off % SECTION_ALIGN, 0, "{l:?}");
+            }
+            let padded = n.div_ceil(8) * 8;
+            assert!(l.codes - l.signs >= padded && l.escapes - l.codes >= padded / 2);
+            assert!(l.signs >= n.div_ceil(BLOCK));
+        }
+        let parts: Vec<_> = chunks(2 * CHUNK_ELEMS + 5).collect();
+        assert_eq!(
+            parts,
+            [
+                (0, CHUNK_ELEMS),
+                (CHUNK_ELEMS, CHUNK_ELEMS),
+                (2 * CHUNK_ELEMS, 5)
+            ]
+        );
+        assert_eq!(chunks(0).count(), 0);
+    }
+
+    #[test]
+    fn bad_buffers_and_corrupt_chunks_are_errors() {
+        let v = normal_bf16(2000, 1.0, 5);
+        let n_esc = count_escapes(&v);
+        let lay = chunk_layout(v.len(), n_esc);
+        let mut small = vec![0u8; lay.nbytes - 16];
+        assert!(encode_chunk(&v, &mut small).is_err());
+        let mut coded = vec![0u8; lay.nbytes];
+        encode_chunk(&v, &mut coded).unwrap();
+        let mut out = vec![0u16; v.len()];
+        assert!(decode_chunk(&coded[..lay.nbytes - 16], n_esc, &mut out).is_err());
+        // a wrong escape count, a base out of range, an escape for the wrong value
+        assert!(decode_chunk(&coded, n_esc + 1, &mut out).is_err());
+        let mut bad = coded.clone();
+        bad[0] = 0;
+        assert!(decode_chunk(&bad, n_esc, &mut out).is_err());
+        let mut bad = coded.clone();
+        bad[lay.codes] = (bad[lay.codes] & 0xf0) | ESCAPE;
+        assert!(decode_chunk(&bad, n_esc, &mut out).is_err());
+        let too_many = vec![0u16; CHUNK_ELEMS + 1];
+        assert!(encode_chunk(&too_many, &mut []).is_err());
+    }
+
+    #[test]
+    fn units_code_bf16_chunks_and_merge_close_raw_tensors() {
+        let t = |dst, nbytes, bf16| TensorSpec { dst, nbytes, bf16 };
+        // a bf16 weight, two small fp32 tensors 256 bytes apart, a bf16 chunk not worth coding
+        let tensors = [
+            t(0, 20_000, true),
+            t(20_224, 100, false),
+            t(20_480, 64, false),
+            t(20_736, 40, true),
+        ];
+        let escapes = vec![vec![3], vec![], vec![], vec![40]];
+        let unit = layout_coded_unit(&tensors, &escapes, usize::MAX).unwrap();
+        assert_eq!(unit.pieces.len(), 2, "{:?}", unit.pieces);
+        let coded = &unit.pieces[0];
+        assert_eq!(
+            coded.kind,
+            PieceKind::Coded {
+                tensor: 0,
+                first_value: 0,
+                values: 10_000,
+                escapes: 3
+            }
+        );
+        assert_eq!(coded.len, chunk_layout(10_000, 3).nbytes);
+        let raw = &unit.pieces[1];
+        assert_eq!(
+            (raw.dst, raw.len, raw.src % PIECE_ALIGN),
+            (20_224, 20_736 + 40 - 20_224, 0)
+        );
+        let PieceKind::Raw(segs) = &raw.kind else {
+            panic!()
+        };
+        let offs: Vec<_> = segs.iter().map(|s| (s.tensor, s.offset, s.len)).collect();
+        assert_eq!(offs, [(1, 0, 100), (2, 256, 64), (3, 512, 40)]);
+        assert_eq!(unit.out_bytes(), 20_000 + raw.len);
+        assert!(unit.nbytes >= raw.src + raw.len && unit.nbytes % PIECE_ALIGN == 0);
+        assert_eq!(unit.largest_coded(), coded.len);
+        // a landing buffer too small for the chunk: sent raw
+        let small = layout_coded_unit(&tensors[..1], &escapes[..1], 1024).unwrap();
+        assert!(matches!(small.pieces[0].kind, PieceKind::Raw(_)));
+        assert_eq!(small.nbytes, 20_032);
+    }
+
+    #[test]
+    fn bad_unit_specs_are_errors() {
+        let t = TensorSpec {
+            dst: 0,
+            nbytes: 11,
+            bf16: true,
+        };
+        assert!(layout_coded_unit(&[t], &[vec![0]], usize::MAX).is_err());
+        let t = TensorSpec {
+            dst: 0,
+            nbytes: 10,
+            bf16: true,
+        };
+        assert!(layout_coded_unit(&[t], &[vec![]], usize::MAX).is_err());
+        assert!(layout_coded_unit(&[t], &[], usize::MAX).is_err());
+        assert_eq!(
+            layout_coded_unit(&[], &[], usize::MAX).unwrap(),
+            CodedUnit::default()
+        );
+    }
+}

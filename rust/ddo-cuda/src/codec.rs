@@ -1,0 +1,611 @@
+//! The coded (compressed) transfer: units held in host memory in `ddo_core::codec`'s 12-bit form,
+//! sent over the link as such and decoded into their slot, on the GPU by a kernel on a decode
+//! stream, on the CPU target by the reference decoder.
+//!
+//! On the GPU a unit's fetch is one copy job ([`crate::job`]) whose copies are its raw pieces
+//! (straight into the slot) and whose post-copy stage is a [`DecodeStage`]: for each coded chunk,
+//!
+//! ```text
+//! copy stream:   wait decoded[k] -> copy chunk into landing[k] -> record landed[k]
+//! decode stream: wait landed[k]  -> decode landing[k] into the slot -> record decoded[k]
+//! ```
+//!
+//! over a ring of landing buffers (device memory the caller allocates, through PyTorch), so the
+//! copy engine moves chunk `c + 1` while the SMs decode chunk `c`; the copy stream then waits for
+//! the last decode before the job records the slot's arrival. The decode stream sees the slot only
+//! after the copy stream's wait for its last consumer (through `landed[k]`).
+//!
+//! Encoding and decoding on the host run in parallel on the rayon pool, one chunk a task.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use ddo_core::codec::{self, CodedUnit, PieceKind};
+use rayon::prelude::*;
+
+use crate::deferred::ErrorSlot;
+use crate::driver::{bind_primary, Stream};
+use crate::error::{CudaError, Result};
+use crate::event::Event;
+use crate::job::{h2d_async, Sink, Stage};
+use crate::kernel::{Arg, Kernel, LaunchConfig, Module};
+
+/// The decode kernel: 8 values a thread, one 8-byte and one 4-byte load, one 16-byte store; code
+/// 15 looks its exponent up in the chunk's sorted escape list.
+pub const DECODE_SOURCE: &str = r#"
+extern "C" __global__ void ddo_decode12(const unsigned char* __restrict__ chunk,
+    unsigned short* __restrict__ out, unsigned int n, unsigned int n_esc, unsigned int signs,
+    unsigned int codes, unsigned int escapes) {
+  unsigned int i0 = (blockIdx.x * blockDim.x + threadIdx.x) * 8u;
+  if (i0 >= n) return;
+  uint2 sm = *reinterpret_cast<const uint2*>(chunk + signs + i0);
+  unsigned int cw = *reinterpret_cast<const unsigned int*>(chunk + codes + i0 / 2u);
+  unsigned int base = chunk[i0 / BLOCK];
+  const unsigned int* esc = reinterpret_cast<const unsigned int*>(chunk + escapes);
+  unsigned int v[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    unsigned int s = ((k < 4 ? sm.x : sm.y) >> (8 * (k & 3))) & 0xffu;
+    unsigned int c = (cw >> (4 * k)) & 0xfu;
+    unsigned int e = c == 0u ? 0u : base + c - 1u;
+    if (c == 15u) {
+      unsigned int i = i0 + k, lo = 0u, hi = n_esc;
+      while (lo < hi) {
+        unsigned int mid = (lo + hi) / 2u;
+        if ((esc[mid] >> 8) < i) lo = mid + 1u; else hi = mid;
+      }
+      e = lo < n_esc ? (esc[lo] & 0xffu) : 0u;
+    }
+    v[k] = ((s & 0x80u) << 8) | (e << 7) | (s & 0x7fu);
+  }
+  if (i0 + 8u <= n) {
+    uint4 o = make_uint4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16),
+                         v[6] | (v[7] << 16));
+    *reinterpret_cast<uint4*>(out + i0) = o;
+  } else {
+    for (unsigned int k = 0; i0 + k < n; ++k) out[i0 + k] = (unsigned short)v[k];
+  }
+}
+"#;
+
+const THREADS: u32 = 256;
+
+static KERNELS: OnceLock<Mutex<Vec<(usize, Kernel)>>> = OnceLock::new();
+
+/// The decode kernel on device `ordinal`, compiled with NVRTC at its first use in the process.
+pub fn decode_kernel(ordinal: usize) -> Result<Kernel> {
+    let cache = KERNELS.get_or_init(|| Mutex::new(Vec::new()));
+    let mut kernels = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, k)) = kernels.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(k.clone());
+    }
+    let source = DECODE_SOURCE.replace("BLOCK", &format!("{}u", codec::BLOCK));
+    let kernel = Module::compile(ordinal, &source, &[])?.kernel("ddo_decode12")?;
+    kernels.push((ordinal, kernel.clone()));
+    Ok(kernel)
+}
+
+/// Queues the decode of one coded chunk of `values` values with `escapes` escapes, at device
+/// address `chunk`, into `values` bf16 values at device address `out`, on `stream`.
+///
+/// # Safety
+/// `chunk` holds the chunk's [`codec::chunk_layout`] bytes and `out` `2 * values` writable bytes,
+/// 16-byte aligned, both device memory of `kernel`'s device, allocated and not written by anyone
+/// else until the decode completed; `stream` is a live stream of that device's primary context.
+pub unsafe fn launch_decode(
+    kernel: &Kernel,
+    stream: Stream,
+    chunk: usize,
+    out: usize,
+    values: usize,
+    escapes: usize,
+) -> Result<()> {
+    if values == 0 {
+        return Ok(());
+    }
+    if values > codec::CHUNK_ELEMS || out % 16 != 0 || chunk % 16 != 0 {
+        return Err(CudaError::InvalidArgument(format!(
+            "a decode of {values} values (at most {}) from {chunk:#x} to {out:#x} (both 16-byte \
+             aligned)",
+            codec::CHUNK_ELEMS
+        )));
+    }
+    let lay = codec::chunk_layout(values, escapes);
+    let threads = values.div_ceil(codec::VALUES_PER_THREAD) as u32;
+    let config = LaunchConfig {
+        grid: (threads.div_ceil(THREADS), 1, 1),
+        block: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let u = |x: usize| Arg::U32(x as u32); // all below 2^32: a chunk is at most 24 MiB
+    let args = [
+        Arg::Ptr(chunk as u64),
+        Arg::Ptr(out as u64),
+        u(values),
+        u(escapes),
+        u(lay.signs),
+        u(lay.codes),
+        u(lay.escapes),
+    ];
+    // SAFETY: the caller upholds the contract on `chunk`, `out` and `stream`; the kernel reads
+    // `lay.nbytes` bytes of `chunk` and writes `2 * values` bytes of `out`, no more.
+    unsafe { kernel.launch(config, stream, &args) }
+}
+
+/// Escape counts of every chunk of every `(address, values)` bf16 tensor, in parallel.
+///
+/// # Safety
+/// Each address holds `values` readable `u16`s (2-byte aligned), not written during the call.
+pub unsafe fn count_escapes_many(tensors: &[(usize, usize)]) -> Result<Vec<Vec<usize>>> {
+    for &(ptr, values) in tensors {
+        check_values("escape count source", ptr, values)?;
+    }
+    Ok(tensors
+        .par_iter()
+        .map(|&(ptr, values)| {
+            codec::chunks(values)
+                .collect::<Vec<_>>()
+                .into_par_iter()
+                .map(|(first, n)| {
+                    // SAFETY: the caller guarantees `values` readable u16s at `ptr`.
+                    let v =
+                        unsafe { std::slice::from_raw_parts((ptr as *const u16).add(first), n) };
+                    codec::count_escapes(v)
+                })
+                .collect()
+        })
+        .collect())
+}
+
+fn check_values(what: &str, ptr: usize, values: usize) -> Result<()> {
+    let n = values
+        .checked_mul(2)
+        .ok_or_else(|| CudaError::InvalidArgument(format!("{what}: {values} values")))?;
+    crate::host::check_host_range(what, ptr, n)?;
+    if n > 0 && ptr % 2 != 0 {
+        return Err(CudaError::InvalidArgument(format!(
+            "{what}: bf16 values at an odd address {ptr:#x}"
+        )));
+    }
+    Ok(())
+}
+
+fn check_unit_tensors(unit: &CodedUnit, tensors: &[(usize, usize)]) -> Result<()> {
+    for p in &unit.pieces {
+        let (t, end) = match &p.kind {
+            PieceKind::Raw(segs) => {
+                for s in segs {
+                    let (_, len) = tensors
+                        .get(s.tensor)
+                        .copied()
+                        .ok_or_else(|| missing(s.tensor))?;
+                    if s.tensor_offset + s.len > len || s.offset + s.len > p.len {
+                        return Err(CudaError::InvalidArgument(format!(
+                            "a raw segment of tensor {} runs past the tensor or its piece",
+                            s.tensor
+                        )));
+                    }
+                }
+                continue;
+            }
+            PieceKind::Coded {
+                tensor,
+                first_value,
+                values,
+                ..
+            } => (*tensor, 2 * (first_value + values)),
+        };
+        let (_, len) = tensors.get(t).copied().ok_or_else(|| missing(t))?;
+        if end > len {
+            return Err(CudaError::InvalidArgument(format!(
+                "a coded chunk of tensor {t} ends at byte {end}, past its {len} bytes"
+            )));
+        }
+    }
+    for &(ptr, len) in tensors {
+        crate::host::check_host_range("coded unit tensor", ptr, len)?;
+    }
+    Ok(())
+}
+
+fn missing(t: usize) -> CudaError {
+    CudaError::InvalidArgument(format!(
+        "the unit's pieces name tensor {t}, which was not given"
+    ))
+}
+
+/// Writes `unit`'s host buffer at `dst` (`unit.nbytes` bytes) from its tensors `(address, bytes)`,
+/// every piece in parallel; gaps between raw segments are zero.
+///
+/// # Safety
+/// Each tensor is its given bytes of readable host memory, and `dst` `unit.nbytes` writable host
+/// bytes disjoint from them, all allocated and not written by anyone else during the call.
+pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usize) -> Result<()> {
+    check_unit_tensors(unit, tensors)?;
+    crate::host::check_host_range("coded unit buffer", dst, unit.nbytes)?;
+    if unit.pieces.iter().any(|p| p.src + p.len > unit.nbytes) {
+        return Err(CudaError::InvalidArgument(
+            "a piece runs past the coded unit".into(),
+        ));
+    }
+    unit.pieces.par_iter().try_for_each(|p| {
+        // SAFETY: pieces are disjoint ranges of `dst`'s `unit.nbytes` bytes (checked above).
+        let out = unsafe { std::slice::from_raw_parts_mut((dst + p.src) as *mut u8, p.len) };
+        match &p.kind {
+            PieceKind::Raw(segs) => {
+                out.fill(0);
+                for s in segs {
+                    // SAFETY: the segment lies in its tensor (checked above).
+                    let src = unsafe {
+                        std::slice::from_raw_parts(
+                            (tensors[s.tensor].0 + s.tensor_offset) as *const u8,
+                            s.len,
+                        )
+                    };
+                    out[s.offset..s.offset + s.len].copy_from_slice(src);
+                }
+                Ok(())
+            }
+            PieceKind::Coded {
+                tensor,
+                first_value,
+                values,
+                escapes,
+            } => {
+                // SAFETY: the chunk lies in its tensor (checked above); bf16 data is 2-aligned.
+                let v = unsafe {
+                    std::slice::from_raw_parts(
+                        (tensors[*tensor].0 as *const u16).add(*first_value),
+                        *values,
+                    )
+                };
+                let written = codec::encode_chunk(v, out)
+                    .map_err(|e| CudaError::InvalidArgument(e.to_string()))?;
+                if written != *escapes {
+                    return Err(CudaError::InvalidArgument(format!(
+                        "a chunk of tensor {tensor} has {written} escapes, {escapes} were counted: \
+                         the tensor changed while it was coded"
+                    )));
+                }
+                Ok(())
+            }
+        }
+    })
+}
+
+/// Decodes `unit`'s host buffer at `src` back into its tensors `(address, bytes)` (the inverse
+/// of [`encode_unit`]), every piece in parallel.
+///
+/// # Safety
+/// `src` is `unit.nbytes` readable host bytes, each tensor its given bytes of writable host
+/// memory, tensors disjoint from each other and from `src`, all allocated and not accessed by
+/// anyone else during the call.
+pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize)]) -> Result<()> {
+    check_unit_tensors(unit, tensors)?;
+    crate::host::check_host_range("coded unit buffer", src, unit.nbytes)?;
+    unit.pieces.par_iter().try_for_each(|p| {
+        // SAFETY: the piece lies in the unit's buffer.
+        let inp = unsafe { std::slice::from_raw_parts((src + p.src) as *const u8, p.len) };
+        match &p.kind {
+            PieceKind::Raw(segs) => {
+                for s in segs {
+                    // SAFETY: the segment lies in its tensor, which no other piece writes there.
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            (tensors[s.tensor].0 + s.tensor_offset) as *mut u8,
+                            s.len,
+                        )
+                    };
+                    out.copy_from_slice(&inp[s.offset..s.offset + s.len]);
+                }
+                Ok(())
+            }
+            PieceKind::Coded {
+                tensor,
+                first_value,
+                values,
+                escapes,
+            } => {
+                // SAFETY: the chunk lies in its tensor, which no other piece writes there.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        (tensors[*tensor].0 as *mut u16).add(*first_value),
+                        *values,
+                    )
+                };
+                codec::decode_chunk(inp, *escapes, out)
+                    .map_err(|e| CudaError::InvalidArgument(e.to_string()))
+            }
+        }
+    })
+}
+
+/// A ring of landing buffers on the device, its events and the decode stream: shared by every
+/// coded fetch of one transport.
+pub(crate) struct DecodeRing {
+    ordinal: usize,
+    decode_stream: Stream,
+    kernel: Kernel,
+    landing: Vec<usize>,
+    landing_bytes: usize,
+    landed: Vec<Event>,
+    decoded: Vec<Event>,
+    /// One event: the last decode of a job, which the copy stream waits for.
+    done: Vec<Event>,
+    next: Mutex<usize>,
+    errors: ErrorSlot,
+}
+
+impl std::fmt::Debug for DecodeRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeRing")
+            .field("ordinal", &self.ordinal)
+            .field("landing", &self.landing.len())
+            .field("landing_bytes", &self.landing_bytes)
+            .finish()
+    }
+}
+
+impl DecodeRing {
+    /// A ring over `landing` device buffers of `landing_bytes` each, decoding on `decode_stream`;
+    /// events are created in the current context (the primary context of `ordinal`).
+    ///
+    /// # Safety
+    /// Each landing address is `landing_bytes` of device memory of device `ordinal`, 16-byte
+    /// aligned, used by nothing else and allocated until the ring is dropped; `decode_stream` is a
+    /// live stream of that device, alive until then.
+    pub unsafe fn new(
+        ordinal: usize,
+        decode_stream: Stream,
+        landing: Vec<usize>,
+        landing_bytes: usize,
+        errors: &ErrorSlot,
+    ) -> Result<Self> {
+        if landing.is_empty()
+            || landing.iter().any(|&a| a == 0 || a % 16 != 0)
+            || landing_bytes == 0
+        {
+            return Err(CudaError::InvalidArgument(
+                "a decode ring needs at least one non-empty, 16-byte aligned landing buffer".into(),
+            ));
+        }
+        let kernel = decode_kernel(ordinal)?;
+        let mk = |n: usize| {
+            (0..n)
+                .map(|_| Event::new(errors))
+                .collect::<Result<Vec<_>>>()
+        };
+        Ok(Self {
+            ordinal,
+            decode_stream,
+            kernel,
+            landed: mk(landing.len())?,
+            decoded: mk(landing.len())?,
+            done: mk(1)?,
+            landing,
+            landing_bytes,
+            next: Mutex::new(0),
+            errors: errors.clone(),
+        })
+    }
+
+    pub fn landing_bytes(&self) -> usize {
+        self.landing_bytes
+    }
+}
+
+impl Drop for DecodeRing {
+    fn drop(&mut self) {
+        let bound = bind_primary(self.ordinal);
+        if let Err(e) = &bound {
+            self.errors
+                .record("binding the context to destroy decode events", e);
+        }
+        self.landed.clear();
+        self.decoded.clear();
+        self.done.clear();
+        drop(bound);
+    }
+}
+
+/// A coded unit registered with a transport: its layout and its host buffer.
+#[derive(Debug)]
+pub(crate) struct HostCodedUnit {
+    pub unit: CodedUnit,
+    pub host: usize,
+}
+
+/// The post-copy stage of a coded fetch: decode every coded chunk into the slot.
+#[derive(Debug)]
+pub(crate) struct DecodeStage {
+    pub unit: Arc<HostCodedUnit>,
+    /// `None` on the CPU target.
+    pub ring: Option<Arc<DecodeRing>>,
+}
+
+impl Stage for DecodeStage {
+    fn run(&self, copy_stream: Option<Stream>, sink: &Sink) -> Result<()> {
+        let base = sink.addr();
+        let host = self.unit.host;
+        let coded = self.unit.unit.pieces.iter().filter_map(|p| match p.kind {
+            PieceKind::Coded {
+                values, escapes, ..
+            } => Some((p, values, escapes)),
+            PieceKind::Raw(_) => None,
+        });
+        let (Some(stream), Some(ring)) = (copy_stream, self.ring.as_ref()) else {
+            // the CPU target: decode from the host buffer straight into the slot
+            let chunks: Vec<_> = coded.collect();
+            if copy_stream.is_some() && !chunks.is_empty() {
+                return Err(CudaError::InvalidArgument(
+                    "a coded unit on the GPU needs the transport's decode ring".into(),
+                ));
+            }
+            return chunks.par_iter().try_for_each(|&(p, values, escapes)| {
+                // SAFETY: the fetch's contract: the buffer holds the unit and the slot its span.
+                let (inp, out) = unsafe {
+                    (
+                        std::slice::from_raw_parts((host + p.src) as *const u8, p.len),
+                        std::slice::from_raw_parts_mut((base + p.dst) as *mut u16, values),
+                    )
+                };
+                codec::decode_chunk(inp, escapes, out)
+                    .map_err(|e| CudaError::InvalidArgument(e.to_string()))
+            });
+        };
+        let mut next = ring.next.lock().unwrap_or_else(|e| e.into_inner());
+        let mut any = false;
+        for (p, values, escapes) in coded {
+            if p.len > ring.landing_bytes {
+                return Err(CudaError::InvalidArgument(format!(
+                    "a coded chunk of {} bytes does not fit the {}-byte landing buffers",
+                    p.len, ring.landing_bytes
+                )));
+            }
+            let k = *next;
+            *next = (k + 1) % ring.landing.len();
+            ring.decoded[k].wait_on(stream)?;
+            // SAFETY: the fetch's contract makes the host range live and unmodified until the copy
+            // completed; the landing buffer is the ring's, free once decoded[k] completed.
+            unsafe { h2d_async(ring.landing[k], host + p.src, p.len, stream)? };
+            ring.landed[k].record(stream)?;
+            ring.landed[k].wait_on(ring.decode_stream)?;
+            // SAFETY: the landing buffer holds the chunk once landed[k] completed; the output is
+            // the chunk's range of the slot, 16-byte aligned (the unit layout aligns tensors to
+            // 256 bytes and chunks to 16 MiB), free since the copy stream's wait for its consumer.
+            unsafe {
+                launch_decode(
+                    &ring.kernel,
+                    ring.decode_stream,
+                    ring.landing[k],
+                    base + p.dst,
+                    values,
+                    escapes,
+                )?
+            };
+            ring.decoded[k].record(ring.decode_stream)?;
+            any = true;
+        }
+        if any {
+            ring.done[0].record(ring.decode_stream)?;
+            ring.done[0].wait_on(stream)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Target, Transport};
+    use ddo_core::codec::{layout_coded_unit, TensorSpec};
+
+    fn weights(n: usize, seed: u32) -> Vec<u16> {
+        // bf16 of a smooth spread of magnitudes, some zeros, an Inf and a NaN
+        (0..n)
+            .map(|i| {
+                let x = ((i as f32 * 0.618 + seed as f32).sin() * 0.05)
+                    * if i % 97 == 0 { 1e-12 } else { 1.0 };
+                match i % 1009 {
+                    5 => 0x7f80,
+                    6 => 0x7fc3,
+                    7 => 0,
+                    _ => (x.to_bits() >> 16) as u16,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_coded_unit_round_trips_through_the_host_buffer_and_a_cpu_fetch() {
+        let a = weights(70_000, 1);
+        let b: Vec<u8> = (0..999).map(|i| (i * 7) as u8).collect(); // fp32 or int: sent raw
+        let c = weights(9, 2);
+        let specs = [
+            TensorSpec {
+                dst: 0,
+                nbytes: 2 * a.len(),
+                bf16: true,
+            },
+            TensorSpec {
+                dst: 140_032,
+                nbytes: b.len(),
+                bf16: false,
+            },
+            TensorSpec {
+                dst: 141_056,
+                nbytes: 2 * c.len(),
+                bf16: true,
+            },
+        ];
+        let tensors = [
+            (a.as_ptr() as usize, 2 * a.len()),
+            (b.as_ptr() as usize, b.len()),
+            (c.as_ptr() as usize, 2 * c.len()),
+        ];
+        let bf16 = [(tensors[0].0, a.len()), (tensors[2].0, c.len())];
+        // SAFETY: both tensors are live vectors of that many u16s.
+        let counts = unsafe { count_escapes_many(&bf16) }.unwrap();
+        let escapes = vec![counts[0].clone(), vec![], counts[1].clone()];
+        let unit = layout_coded_unit(&specs, &escapes, usize::MAX).unwrap();
+        assert!(unit.nbytes < (2 * a.len()) * 8 / 10, "{}", unit.nbytes);
+        let mut host = vec![0xffu8; unit.nbytes];
+        // SAFETY: `host` has `unit.nbytes` bytes, the tensors their lengths, all live.
+        unsafe { encode_unit(&unit, &tensors, host.as_mut_ptr() as usize) }.unwrap();
+        // back into fresh tensors
+        let (mut a2, mut b2, mut c2) =
+            (vec![0u16; a.len()], vec![0u8; b.len()], vec![0u16; c.len()]);
+        let outs = [
+            (a2.as_mut_ptr() as usize, 2 * a.len()),
+            (b2.as_mut_ptr() as usize, b.len()),
+            (c2.as_mut_ptr() as usize, 2 * c.len()),
+        ];
+        // SAFETY: as above; the outputs are disjoint live vectors.
+        unsafe { decode_unit(&unit, host.as_ptr() as usize, &outs) }.unwrap();
+        assert!(a2 == a && b2 == b && c2 == c);
+        // through the transport into a slot
+        let mut t = Transport::new(Target::Cpu, 1, None).unwrap();
+        let id = t.add_coded_unit(unit, host.as_ptr() as usize).unwrap();
+        let mut slot = vec![0u8; 141_056 + 2 * c.len()];
+        // SAFETY: the slot holds the unit's span; the host buffer is live and unmodified.
+        unsafe { t.fetch_coded(0, slot.as_mut_ptr() as usize, id) }.unwrap();
+        let words = |bytes: &[u8]| -> Vec<u16> {
+            bytes
+                .chunks_exact(2)
+                .map(|w| u16::from_le_bytes([w[0], w[1]]))
+                .collect()
+        };
+        assert_eq!(words(&slot[..2 * a.len()]), a);
+        assert_eq!(&slot[140_032..140_032 + b.len()], &b[..]);
+        assert_eq!(words(&slot[141_056..]), c);
+        assert_eq!(t.stats().bytes, host.len() as u64);
+        // SAFETY: refused before anything is touched: unit 5 was never registered.
+        assert!(unsafe { t.fetch_coded(0, slot.as_mut_ptr() as usize, 5) }.is_err());
+        t.close().unwrap();
+    }
+
+    #[test]
+    fn encode_checks_its_inputs() {
+        let a = weights(100, 1);
+        let specs = [TensorSpec {
+            dst: 0,
+            nbytes: 200,
+            bf16: true,
+        }];
+        let unit = layout_coded_unit(&specs, &[vec![0]], usize::MAX).unwrap();
+        let mut host = vec![0u8; unit.nbytes];
+        // a tensor shorter than its pieces, or missing: refused before any write
+        let short = [(a.as_ptr() as usize, 100)];
+        // SAFETY: nothing is read or written: the checks fail first.
+        assert!(unsafe { encode_unit(&unit, &short, host.as_mut_ptr() as usize) }.is_err());
+        // SAFETY: as above.
+        assert!(unsafe { encode_unit(&unit, &[], host.as_mut_ptr() as usize) }.is_err());
+        // SAFETY: a null source is refused by the range check.
+        assert!(unsafe { count_escapes_many(&[(0, 4)]) }.is_err());
+        let mut t = Transport::new(Target::Cpu, 1, None).unwrap();
+        let mut bad = unit.clone();
+        bad.nbytes = 0;
+        assert!(t.add_coded_unit(bad, host.as_ptr() as usize).is_err());
+        // SAFETY: refused on the CPU target before anything is touched.
+        assert!(unsafe { t.set_decoder(Stream::DEFAULT, vec![16], 16) }.is_err());
+    }
+}

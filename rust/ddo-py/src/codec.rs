@@ -1,0 +1,175 @@
+//! The lossless 12-bit code for bf16 weights: unit layouts, host encode/decode, the GPU decode.
+
+use ddo_core::codec::{self, PieceKind, TensorSpec};
+use ddo_cuda::Stream;
+use pyo3::prelude::*;
+
+use crate::errors::{cuda_err, ConfigError};
+
+/// A streamed unit laid out in coded form (`ddo_core::codec::CodedUnit`).
+#[pyclass(module = "ddo_blocks._native", frozen)]
+#[derive(Clone)]
+pub(crate) struct CodedUnit {
+    pub(crate) inner: codec::CodedUnit,
+}
+
+#[pymethods]
+impl CodedUnit {
+    /// Bytes of the unit's host buffer: what one fetch sends over the link.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes
+    }
+
+    /// Bytes the unit fills in its slot.
+    #[getter]
+    fn out_bytes(&self) -> usize {
+        self.inner.out_bytes()
+    }
+
+    /// The largest coded chunk (the landing buffer it needs), 0 without one.
+    #[getter]
+    fn largest_coded(&self) -> usize {
+        self.inner.largest_coded()
+    }
+
+    /// bf16 values sent coded.
+    #[getter]
+    fn coded_values(&self) -> usize {
+        self.coded().map(|(_, v, _)| v).sum()
+    }
+
+    /// Escaped exponents in the coded chunks.
+    #[getter]
+    fn escapes(&self) -> usize {
+        self.coded().map(|(_, _, e)| e).sum()
+    }
+
+    /// `(src, len, dst, values, escapes)` of each coded chunk.
+    #[getter]
+    fn coded_pieces(&self) -> Vec<(usize, usize, usize, usize, usize)> {
+        self.coded()
+            .map(|(p, v, e)| (p.src, p.len, p.dst, v, e))
+            .collect()
+    }
+
+    /// `(src, len, dst)` of each raw piece.
+    #[getter]
+    fn raw_pieces(&self) -> Vec<(usize, usize, usize)> {
+        self.inner
+            .pieces
+            .iter()
+            .filter(|p| matches!(p.kind, PieceKind::Raw(_)))
+            .map(|p| (p.src, p.len, p.dst))
+            .collect()
+    }
+}
+
+impl CodedUnit {
+    fn coded(&self) -> impl Iterator<Item = (&codec::Piece, usize, usize)> {
+        self.inner.pieces.iter().filter_map(|p| match p.kind {
+            PieceKind::Coded {
+                values, escapes, ..
+            } => Some((p, values, escapes)),
+            PieceKind::Raw(_) => None,
+        })
+    }
+}
+
+/// Escape counts per chunk of each `(address, values)` bf16 tensor, in parallel, GIL released.
+#[pyfunction]
+fn codec_count_escapes(py: Python<'_>, tensors: Vec<(usize, usize)>) -> PyResult<Vec<Vec<usize>>> {
+    // SAFETY: the caller (streaming/coded.py) passes data pointers and element counts of
+    // contiguous bf16 CPU storage it holds during the call; null and wrapping ranges are refused.
+    py.detach(|| unsafe { ddo_cuda::codec::count_escapes_many(&tensors) })
+        .map_err(cuda_err)
+}
+
+/// Lays out a unit: `tensors` are `(slot_offset, nbytes, is_bf16)`, `escapes` the counts from
+/// `codec_count_escapes` per bf16 tensor (`[]` for the others).
+#[pyfunction]
+fn layout_coded_unit(
+    tensors: Vec<(usize, usize, bool)>,
+    escapes: Vec<Vec<usize>>,
+    max_chunk_bytes: usize,
+) -> PyResult<CodedUnit> {
+    let specs: Vec<TensorSpec> = tensors
+        .into_iter()
+        .map(|(dst, nbytes, bf16)| TensorSpec { dst, nbytes, bf16 })
+        .collect();
+    codec::layout_coded_unit(&specs, &escapes, max_chunk_bytes)
+        .map(|inner| CodedUnit { inner })
+        .map_err(|e| ConfigError::new_err(e.to_string()))
+}
+
+/// Writes the unit's host buffer at `dst` from its tensors `(address, nbytes)`, GIL released.
+#[pyfunction]
+fn codec_encode_unit(
+    py: Python<'_>,
+    unit: &CodedUnit,
+    tensors: Vec<(usize, usize)>,
+    dst: usize,
+) -> PyResult<()> {
+    // SAFETY: the caller passes the CPU tensors the unit was laid out from (alive during the call)
+    // and a fresh host buffer of `unit.nbytes` bytes disjoint from them; every piece is checked
+    // against the given sizes before anything is written.
+    py.detach(|| unsafe { ddo_cuda::codec::encode_unit(&unit.inner, &tensors, dst) })
+        .map_err(cuda_err)
+}
+
+/// Decodes the unit's host buffer at `src` into its tensors `(address, nbytes)`, GIL released.
+#[pyfunction]
+fn codec_decode_unit(
+    py: Python<'_>,
+    unit: &CodedUnit,
+    src: usize,
+    tensors: Vec<(usize, usize)>,
+) -> PyResult<()> {
+    // SAFETY: the caller passes the unit's live host buffer and fresh, disjoint CPU tensors of
+    // the sizes the unit was laid out with; pieces are checked against those sizes first.
+    py.detach(|| unsafe { ddo_cuda::codec::decode_unit(&unit.inner, src, &tensors) })
+        .map_err(cuda_err)
+}
+
+/// Queues the GPU decode of one chunk of `values` values with `escapes` escapes, at device
+/// address `chunk`, into device address `out`, on `stream` of device `device`.
+#[pyfunction]
+fn codec_decode_device(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    chunk: usize,
+    out: usize,
+    values: usize,
+    escapes: usize,
+) -> PyResult<()> {
+    let kernel = py
+        .detach(|| ddo_cuda::codec::decode_kernel(device))
+        .map_err(cuda_err)?;
+    // SAFETY: the callers (tests/test_gpu_codec.py, streaming/coded.py's decode-rate probe) pass
+    // data pointers of CUDA tensors on `device` holding the chunk and `2 * values` output bytes,
+    // alive until the stream ran the kernel, and `torch.cuda.Stream.cuda_stream` of that device.
+    unsafe {
+        ddo_cuda::codec::launch_decode(
+            &kernel,
+            Stream::from_raw(stream),
+            chunk,
+            out,
+            values,
+            escapes,
+        )
+    }
+    .map_err(cuda_err)
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("CODEC_CHUNK_ELEMS", codec::CHUNK_ELEMS)?;
+    m.add("CODEC_BLOCK", codec::BLOCK)?;
+    m.add_class::<CodedUnit>()?;
+    m.add_function(wrap_pyfunction!(codec_count_escapes, m)?)?;
+    m.add_function(wrap_pyfunction!(layout_coded_unit, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_encode_unit, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_decode_unit, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_decode_device, m)?)?;
+    Ok(())
+}
