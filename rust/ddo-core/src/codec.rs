@@ -408,7 +408,7 @@ pub fn layout_coded_unit(
             raw(&mut pieces, &mut end, whole, spec.dst)?;
             continue;
         }
-        if spec.nbytes % 2 != 0 {
+        if !spec.nbytes.is_multiple_of(2) {
             return Err(CoreError::InvalidArgument(format!(
                 "tensor {t} is bf16 but spans an odd number of bytes ({})",
                 spec.nbytes
@@ -662,7 +662,7 @@ mod tests {
         let offs: Vec<_> = segs.iter().map(|s| (s.tensor, s.offset, s.len)).collect();
         assert_eq!(offs, [(1, 0, 100), (2, 256, 64), (3, 512, 40)]);
         assert_eq!(unit.out_bytes(), 20_000 + raw.len);
-        assert!(unit.nbytes >= raw.src + raw.len && unit.nbytes % PIECE_ALIGN == 0);
+        assert!(unit.nbytes >= raw.src + raw.len && unit.nbytes.is_multiple_of(PIECE_ALIGN));
         assert_eq!(unit.largest_coded(), coded.len);
         // a landing buffer too small for the chunk: sent raw
         let small = layout_coded_unit(&tensors[..1], &escapes[..1], 1024).unwrap();

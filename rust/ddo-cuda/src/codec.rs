@@ -102,7 +102,7 @@ pub unsafe fn launch_decode(
     if values == 0 {
         return Ok(());
     }
-    if values > codec::CHUNK_ELEMS || out % 16 != 0 || chunk % 16 != 0 {
+    if values > codec::CHUNK_ELEMS || !out.is_multiple_of(16) || !chunk.is_multiple_of(16) {
         return Err(CudaError::InvalidArgument(format!(
             "a decode of {values} values (at most {}) from {chunk:#x} to {out:#x} (both 16-byte \
              aligned)",
@@ -161,7 +161,7 @@ fn check_values(what: &str, ptr: usize, values: usize) -> Result<()> {
         .checked_mul(2)
         .ok_or_else(|| CudaError::InvalidArgument(format!("{what}: {values} values")))?;
     crate::host::check_host_range(what, ptr, n)?;
-    if n > 0 && ptr % 2 != 0 {
+    if n > 0 && !ptr.is_multiple_of(2) {
         return Err(CudaError::InvalidArgument(format!(
             "{what}: bf16 values at an odd address {ptr:#x}"
         )));
@@ -361,7 +361,7 @@ impl DecodeRing {
         errors: &ErrorSlot,
     ) -> Result<Self> {
         if landing.is_empty()
-            || landing.iter().any(|&a| a == 0 || a % 16 != 0)
+            || landing.iter().any(|&a| a == 0 || !a.is_multiple_of(16))
             || landing_bytes == 0
         {
             return Err(CudaError::InvalidArgument(
