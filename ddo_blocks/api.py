@@ -221,7 +221,7 @@ def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options
     if not spec.streams:
         raise ConfigError(f"vram_budget='min' is the smallest plan of a route that streams; route {spec.name!r} "
                           "does not stream: pass bytes, a size such as '6GiB', or None")
-    return minimum_budget(module, units=options.get("units", "auto"))
+    return minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
 
 
 def _check_is_module(module: Any, what: str) -> None:
@@ -282,14 +282,16 @@ def _materialize(module: nn.Module, loader: Any) -> None:
             loader.materialize(p, cpu)
 
 
-def minimum_budget(module: nn.Module, *, units: str = "auto") -> int:
+def minimum_budget(module: nn.Module, *, units: str = "auto", codec: str = "off") -> int:
     """The smallest ``vram_budget`` (bytes) the linear route accepts for ``module``: always-resident
     weights plus two slots of the largest unit, at the given unit granularity (``auto``: the lower
-    of blocks and their children)."""
-    from .streaming import plan
+    of blocks and their children), plus, with a ``codec``, its landing buffers on a GPU."""
+    from .streaming import coded, plan
 
     _check_is_module(module, "minimum_budget()")
-    return plan.minimum_budget(module, units)
+    if codec not in coded.CODECS:
+        raise ConfigError(f"codec={codec!r} is not a codec; use one of {', '.join(map(repr, coded.CODECS))}")
+    return plan.minimum_budget(module, units) + coded.reserve_bytes(module, codec, torch.device("cuda"))
 
 
 def get_handle(module: nn.Module) -> OffloadHandle | None:

@@ -142,7 +142,8 @@ def _device_bytes(policy: Any, module: nn.Module) -> int:
     spec = routes.get(policy.route)
     if spec.streams:
         if policy.vram_budget == "min":
-            return minimum_budget(module, units=policy.options.get("units", "auto"))
+            return minimum_budget(module, units=policy.options.get("units", "auto"),
+                                      codec=policy.options.get("codec", "off"))
         return policy.vram_budget if policy.vram_budget is not None else device_bytes(module)
     return device_bytes(module) if spec.holds_all else 0
 

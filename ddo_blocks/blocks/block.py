@@ -240,7 +240,8 @@ class OffloadBlock(ModularPipelineBlocks):
                     "pipeline with route='off', or use route='linear'"
                 )
             if spec.streams and policy.vram_budget not in (None, "min"):
-                need = minimum_budget(module, units=policy.options.get("units", "auto"))
+                need = minimum_budget(module, units=policy.options.get("units", "auto"),
+                                      codec=policy.options.get("codec", "off"))
                 if policy.vram_budget < need:
                     raise BudgetError(
                         f"{where}: vram_budget={fmt_bytes(policy.vram_budget)} is below the minimum of "

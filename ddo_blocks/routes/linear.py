@@ -83,11 +83,12 @@ def auto(streamed_bytes: int, total_ram: int | None) -> Preset:
 
 
 def factory(req: EngineRequest) -> tuple[Preset, Engine]:
-    from ..streaming import StreamingEngine, plan, stores
+    from ..streaming import StreamingEngine, coded, plan, stores
     from .resident import OffEngine
 
     units = plan.check_granularity(req.options.pop("units", "auto"))
-    refuse_unknown("linear", req.options, ("units",))
+    codec = req.options.pop("codec", "off")
+    refuse_unknown("linear", req.options, ("units", "codec"))
     if req.preset == "auto":
         streamed = sum(span_nbytes(p) for u in split_units(req.module)[0] for _, p in u.params)
         chosen = auto(streamed, psutil.virtual_memory().total)
@@ -95,6 +96,10 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
         chosen = SPEC.preset_map[req.preset]
     if chosen.host is HostMode.CALLER:
         return chosen, OffEngine(req.module, req.device)
+    if coded.check_codec(codec, chosen) != "off":
+        return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=coded.CodedSlabs,
+                                       loader=req.loader, units=units,
+                                       reserve_bytes=coded.reserve_bytes(req.module, codec, req.device))
     return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=stores.HostSlabs,
                                    loader=req.loader, units=units)
 
@@ -104,7 +109,7 @@ SPEC = RouteSpec(
     summary="stream the blocks that do not fit through GPU slots from host slabs",
     presets=PRESETS,
     factory=factory,
-    options=("units",),
+    options=("units", "codec"),
     auto=auto,
     auto_summary="wsl_compat under WSL, else one_shot_fast when the streamed weights are at most half the RAM, "
                  "else low_ram_safe",

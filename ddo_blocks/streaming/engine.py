@@ -44,6 +44,8 @@ class StreamingEngine:
         store: builds the host side for this engine (``HostSlabs``, ``FileStore``).
         loader: a ``loading.Loader`` when the module was built on the meta device (``from_pretrained``).
         units: ``auto``, ``block`` or ``child``.
+        reserve_bytes: device bytes the store needs beside the slots (the codec's landing buffers),
+            taken from the budget before planning.
         extra_sections: the route's own report fields (the sdnq route: its packed layers).
     """
 
@@ -52,14 +54,15 @@ class StreamingEngine:
 
     def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device, *,
                  store: Callable[[StreamingEngine], Any], loader: Any = None, units: str = "auto",
-                 extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None):
+                 reserve_bytes: int = 0, extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None):
         self.module = module
         self.preset = preset
         self.budget = budget
         self.device = device
         self.loader = loader
         self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
-        self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units)
+        self.reserve_bytes = reserve_bytes
+        self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes)
         self.plan = self.unit_plan.native
         self.granularity = self.unit_plan.granularity
         self.units = self.unit_plan.units
@@ -279,7 +282,7 @@ class StreamingEngine:
 
     @property
     def gpu_bytes(self) -> int:
-        return self.resident_bytes + self.slots.nbytes
+        return self.resident_bytes + self.slots.nbytes + getattr(self.store, "device_bytes", 0)
 
     def unit_infos(self) -> tuple[UnitInfo, ...]:
         streamed = {id(u) for u in self.streamed}
@@ -353,7 +356,7 @@ class StreamingEngine:
             ],
         }
         for section, fields in self.store.report_sections(self.transport).items():
-            sections[section].update(fields)
+            sections.setdefault(section, {}).update(fields)
         for section, fields in (self._extra_sections() if self._extra_sections else {}).items():
             sections.setdefault(section, {}).update(fields)
         return sections

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import _native
+from ..budget import fmt_bytes
 from ..errors import BudgetError, ConfigError
 from ..routes.spec import Preset
 from ..units import GRANULARITIES, Unit, span_nbytes, split_units, tensor_nbytes
@@ -72,9 +73,23 @@ def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch
 
 
 def choose(module: nn.Module, budget: int | None, device: torch.device, link: float, preset: Preset,
-           units: str = "auto") -> UnitPlan:
+           units: str = "auto", reserve: int = 0) -> UnitPlan:
     """Blocks as units, unless the budget needs smaller units or the planner predicts a clearly
-    faster step with each block's children as units (smaller slots leave more budget resident)."""
+    faster step with each block's children as units (smaller slots leave more budget resident).
+    ``reserve``: device bytes needed beside the weights and slots (a codec's landing buffers)."""
+    if reserve and budget is not None:
+        if budget <= reserve:
+            raise BudgetError(
+                f"VRAM budget {fmt_bytes(budget)} does not even hold the {fmt_bytes(reserve)} of landing buffers the "
+                f"codec needs; pass a larger vram_budget (vram_budget='min' finds the smallest) or codec='off'"
+            )
+        try:
+            return choose(module, budget - reserve, device, link, preset, units)
+        except BudgetError as exc:
+            raise BudgetError(
+                f"{exc} (after the {fmt_bytes(reserve)} of landing buffers the codec needs: add them to the "
+                "budget, or pass codec='off')"
+            ) from exc
     if check_granularity(units) != "auto":
         return _plan(module, units, budget, device, link, preset)
     try:

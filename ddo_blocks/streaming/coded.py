@@ -1,0 +1,306 @@
+"""The coded host side (``codec="fixed"`` on the linear route): streamed units held in host RAM in a
+lossless 12-bit form of their bf16 weights, sent over the link as such and decoded into the slot.
+
+- At attach, unit by unit: the escape counts of every chunk (``ddo-core``'s codec, in parallel),
+  the unit's coded layout (bf16 tensors of at least :data:`MIN_CODED_VALUES` values are coded in
+  chunks of up to 8 Mi values; every other tensor, and a chunk that would not shrink, is sent as it
+  is), the coded buffer (page-locked on a GPU, in the background while the next unit is coded), and
+  the parameters pointed at placeholders (one NaN element): the original bytes are freed as the
+  coded ones are written, so host RAM stays at about the coded size plus one unit.
+- A fetch is one copy job: raw pieces straight into the slot, coded chunks through a ring of
+  :data:`LANDING_BUFFERS` landing buffers in device memory (allocated through PyTorch, inside the
+  VRAM budget) and decoded by a kernel on a decode stream (``ddo_cuda::codec``); on the CPU engine
+  the reference decoder writes the slot. Outputs are the original bits.
+- ``remove()`` (and a failed attach) decodes every coded unit back into fresh memory of the
+  parameters' own shapes and strides.
+
+The report gets a ``codec`` section: coded and raw bytes, the ratio, the bytes one call sends, the
+escapes, the landing buffers, and on a GPU the decode rate measured at attach.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _native
+from ..errors import ConfigError, DdoError
+from ..routes.spec import HostMode, Preset
+from ..units import flat_span, span_elements, span_nbytes
+from .slabs import _alloc, _progress
+from .stores import _placeholder
+
+CODECS = ("off", "fixed")
+"""``off``: units cross the link as they are. ``fixed``: bf16 weights at 12 bits per value."""
+
+MIN_CODED_VALUES = 4096
+"""bf16 tensors smaller than this are sent as they are (their bytes are negligible)."""
+
+LANDING_BUFFERS = 3
+"""Coded chunks in flight on the device: one being copied while the others are decoded."""
+
+ESCAPE_ALLOWANCE = 32
+"""A landing buffer holds a full chunk with one value in this many escaped; a chunk with more
+escapes than fit is sent raw."""
+
+_DECODE_RATE: dict[int, float] = {}
+"""Measured decode rate (bytes of bf16 written per second) per CUDA device, once per process."""
+
+
+def check_codec(codec: str, preset: Preset) -> str:
+    if codec not in CODECS:
+        raise ConfigError(f"codec={codec!r} is not a codec; use one of {', '.join(map(repr, CODECS))}")
+    if codec != "off" and (preset.host is not HostMode.PINNED_SLABS or preset.keep_warm):
+        raise ConfigError(
+            f"codec={codec!r} holds the streamed units coded in page-locked memory and sends them straight to "
+            f"the GPU; preset {preset.name!r} ({preset.summary.split(',')[0]}) does not: use preset='one_shot_fast' "
+            "(or codec='off')"
+        )
+    return codec
+
+
+def _bf16_values(p: torch.Tensor) -> int:
+    return span_elements(p) if p.dtype == torch.bfloat16 else 0
+
+
+def landing_bytes(module: nn.Module) -> int:
+    """Bytes of one landing buffer: a full chunk of the largest coded tensor, with escapes."""
+    largest = max((_bf16_values(p) for p in module.parameters()), default=0)
+    if largest < MIN_CODED_VALUES:
+        return 0
+    values = min(largest, _native.CODEC_CHUNK_ELEMS)
+    # the layout of a chunk of `values` values with the allowance of escapes (ddo_core::codec)
+    probe = _native.layout_coded_unit([(0, 2 * values, True)], [[values // ESCAPE_ALLOWANCE]], 1 << 62)
+    return -(-probe.nbytes // 256) * 256
+
+
+def reserve_bytes(module: nn.Module, codec: str, device: torch.device) -> int:
+    """Device bytes the codec needs beside the slots (its landing buffers)."""
+    if codec == "off" or device.type != "cuda":
+        return 0
+    return LANDING_BUFFERS * landing_bytes(module)
+
+
+class CodedSlabs:
+    """Every streamed unit coded in host memory (the linear route with ``codec="fixed"``)."""
+
+    slabs = None
+    """No :class:`SlabSet`: the report's host figures come from :meth:`report_sections`."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.pin = engine.device.type == "cuda"
+        self.landing_bytes = landing_bytes(engine.module)
+        self.units: list[Any] = []  # _native.CodedUnit per streamed unit
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (storage, buffer) per unit
+        self.registrations: list[Any] = []
+        self._hollow: list[list[torch.Tensor]] = []
+        self._coded: set[int] = set()  # streamed units whose parameters are placeholders
+        self._ids: list[int] = []
+        self.landing: torch.Tensor | None = None
+        self.decode_stream: Any = None
+        self.decode_bytes_per_s: float | None = None
+        self.encode_s = 0.0
+        self.lost: list[str] = []
+
+    # -- attach ------------------------------------------------------------------------------------
+    def _sources(self, u: int) -> list[torch.Tensor]:
+        """Unit ``u``'s tensors as contiguous CPU spans (read from the checkpoint when pending)."""
+        e = self.engine
+        out = []
+        for _, p in e.streamed[u].params:
+            if e.loader is not None and e.loader.pending(p):
+                t = torch.empty(span_elements(p), dtype=p.dtype)
+                e.loader.read_many([(e.loader.take(p), t)])
+            elif p.device.type == "cpu" and type(p.data) is torch.Tensor:
+                t = flat_span(p.data)
+            else:
+                t = flat_span(p.data).detach().to("cpu").contiguous()
+            out.append(t)
+        return out
+
+    def build(self) -> None:
+        e = self.engine
+        t0 = time.perf_counter()
+        pinning: list[Future] = []
+        total = sum(e.layout_bytes)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, _progress(
+                total, "coding", quiet=e.loader is not None) as bar:
+            try:
+                for u, unit in enumerate(e.streamed):
+                    srcs = self._sources(u)
+                    bf16 = [t.numel() >= MIN_CODED_VALUES and t.dtype == torch.bfloat16 for t in srcs]
+                    counts = _native.codec_count_escapes([(t.data_ptr(), t.numel()) for t, b in zip(srcs, bf16) if b])
+                    it = iter(counts)
+                    escapes = [next(it) if b else [] for b in bf16]
+                    specs = [(off, span_nbytes(t), b) for t, off, b in zip(srcs, e.offsets[u], bf16)]
+                    layout = _native.layout_coded_unit(specs, escapes, self.landing_bytes if self.pin else 1 << 62)
+                    storage, buf = _alloc(layout.nbytes)
+                    _native.codec_encode_unit(layout, [(t.data_ptr(), span_nbytes(t)) for t in srcs], buf.data_ptr())
+                    self.units.append(layout)
+                    self.buffers.append((storage, buf))
+                    hollow = [_placeholder(p) for _, p in unit.params]
+                    for (_, p), h in zip(unit.params, hollow):
+                        p.data = h  # the original bytes go (unless the caller holds them too)
+                    self._hollow.append(hollow)
+                    self._coded.add(u)
+                    del srcs
+                    if self.pin and layout.nbytes:
+                        pinning.append(pool.submit(_native.HostRegistration, storage, buf.data_ptr(), layout.nbytes,
+                                                   e.device.index or 0))
+                    bar.update(e.layout_bytes[u])
+            finally:
+                errors = []
+                for f in pinning:
+                    try:
+                        self.registrations.append(f.result())
+                    except DdoError as exc:
+                        errors.append(exc)
+                if errors:
+                    raise errors[0]
+        self.encode_s = time.perf_counter() - t0
+
+    def open_transport(self, n_slots: int, slot_bytes: int, offsets: list[list[int]], copy_stream: int) -> Any:
+        e = self.engine
+        transport = _native.Transport(e.device.type, e.device.index or 0, n_slots, copy_stream, None)
+        try:
+            largest = max((c.largest_coded for c in self.units), default=0)
+            if e.device.type == "cuda" and largest:
+                lb = -(-largest // 256) * 256
+                self.landing = torch.empty(LANDING_BUFFERS * lb, dtype=torch.uint8, device=e.device)
+                self.decode_stream = torch.cuda.Stream(e.device)
+                base = self.landing.data_ptr()
+                transport.set_decoder(self.decode_stream.cuda_stream, [base + k * lb for k in range(LANDING_BUFFERS)],
+                                      lb)
+                self.decode_bytes_per_s = _decode_rate(e.device, self.units, self.buffers)
+            self._ids = [transport.add_coded_unit(c, buf.data_ptr()) for c, (_, buf) in zip(self.units, self.buffers)]
+        except BaseException:
+            transport.close()
+            raise
+        return transport
+
+    # -- the pipeline ------------------------------------------------------------------------------
+    def fetch(self, transport: Any, u: int, slot: int, dst: int) -> None:
+        transport.fetch_coded(slot, dst, self._ids[u])
+
+    def host_views(self, u: int) -> list[torch.Tensor]:
+        return self._hollow[u]
+
+    def all_views(self) -> list[torch.Tensor]:
+        return []
+
+    def call_started(self, transport: Any) -> None:
+        pass
+
+    def call_finished(self, transport: Any) -> None:
+        pass
+
+    # -- removal: every coded unit decoded back into fresh memory -----------------------------------
+    def before_release(self) -> None:
+        return None
+
+    def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
+        e = self.engine
+        for u in sorted(self._coded):
+            unit = e.streamed[u]
+            owns = [torch.empty(span_elements(g), dtype=g.dtype) for g in e.geometry[u]]
+            _native.codec_decode_unit(self.units[u], self.buffers[u][1].data_ptr(),
+                                      [(t.data_ptr(), span_nbytes(t)) for t in owns])
+            for (_, p), g, t in zip(unit.params, e.geometry[u], owns):
+                p.data = t.as_strided(g.shape, g.stride())
+            # this unit's buffer is no longer needed: free it before decoding the next
+            self.buffers[u] = (torch.empty(0, dtype=torch.uint8),) * 2
+        self._coded.clear()
+        for r in self.registrations:
+            r.close()
+        self.registrations = []
+        self.buffers = []
+        self.landing = None
+        self.decode_stream = None
+
+    def closed(self, transport: Any) -> None:
+        pass
+
+    def sim_args(self) -> tuple:
+        return ()
+
+    def disk_figures(self) -> tuple[float, int] | None:
+        return None
+
+    # -- figures -----------------------------------------------------------------------------------
+    @property
+    def device_bytes(self) -> int:
+        return self.landing.numel() if self.landing is not None else 0
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(c.nbytes for c in self.units)
+
+    @property
+    def raw_bytes(self) -> int:
+        """The streamed weights' own bytes (the storage each tensor spans)."""
+        return sum(span_nbytes(g) for unit in self.engine.geometry for g in unit)
+
+    def report_sections(self, transport: Any) -> dict[str, dict[str, Any]]:
+        e = self.engine
+        link = e.link_bytes_per_s
+        coded_values = sum(c.coded_values for c in self.units)
+        decode_s = 2 * coded_values / self.decode_bytes_per_s if self.decode_bytes_per_s else None
+        return {
+            "plan": {"host_slabs": len(self.units), "host_slab_bytes": self.host_bytes},
+            "setup": {"encode_s": self.encode_s, "packed_bytes": self.host_bytes},
+            "memory": {"pinned_bytes": sum(r.nbytes for r in self.registrations)},
+            "codec": {
+                "codec": "fixed",
+                "coded_units": len(self.units),
+                "raw_bytes": self.raw_bytes,
+                "host_bytes": self.host_bytes,
+                "ratio": self.host_bytes / self.raw_bytes if self.raw_bytes else None,
+                "coded_bytes": 2 * coded_values,
+                "escapes": sum(c.escapes for c in self.units),
+                "link_call_bytes": self.host_bytes,
+                "landing_buffers": LANDING_BUFFERS if self.landing is not None else 0,
+                "landing_bytes": self.device_bytes,
+                "decode_gb_s": self.decode_bytes_per_s / 1e9 if self.decode_bytes_per_s else None,
+                "decode_s_per_call": decode_s,
+                "uncompressed_transfer_bound_s": e.streamed_bytes / link if link else None,
+                "compressed_transfer_bound_s": self.host_bytes / link if link else None,
+            },
+        }
+
+
+def _decode_rate(device: torch.device, units: list[Any], buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    """The decode kernel's rate on this device (bf16 bytes written per second): the largest coded
+    chunk decoded a few times from device memory, timed with CUDA events. Once per process."""
+    ordinal = device.index or 0
+    if ordinal in _DECODE_RATE:
+        return _DECODE_RATE[ordinal]
+    best = None
+    for c, (_, buf) in zip(units, buffers):
+        for src, length, _, values, escapes in c.coded_pieces:
+            if best is None or values > best[3]:
+                best = (buf, src, length, values, escapes)
+    if best is None:
+        return None
+    buf, src, length, values, escapes = best
+    with torch.cuda.device(device):
+        chunk = buf[src : src + length].to(device)
+        out = torch.empty(values, dtype=torch.bfloat16, device=device)
+        stream = torch.cuda.current_stream(device)
+        run = lambda: _native.codec_decode_device(ordinal, stream.cuda_stream, chunk.data_ptr(), out.data_ptr(),  # noqa: E731
+                                                  values, escapes)
+        run()  # first launch: module load
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 10
+        start.record(stream)
+        for _ in range(reps):
+            run()
+        end.record(stream)
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / reps
+    _DECODE_RATE[ordinal] = 2 * values / seconds if seconds > 0 else None
+    return _DECODE_RATE[ordinal]

@@ -1,0 +1,172 @@
+"""The lossless fixed-rate codec (``codec="fixed"`` on the linear route) on the CPU engine: outputs
+bit-identical to the resident run at every budget, weights restored bit for bit with their strides,
+the report's codec figures, the edge values the code must carry, and bad input refused with the
+module untouched. The codec's bit-level round trips are Rust tests (``ddo-core``'s ``codec``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddo_blocks
+from ddo_blocks import _native, routes
+from ddo_blocks.streaming import coded, plan
+from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
+
+from .helpers import assert_restored, budgets, snapshot
+
+
+def bf16_flux(**kw):
+    """About 4 MiB of bf16 weights, most tensors large enough to be coded."""
+    cfg = dict(num_attention_heads=4, attention_head_dim=32, joint_attention_dim=64, axes_dims_rope=(4, 14, 14))
+    return tiny_flux_transformer(torch.bfloat16, **{**cfg, **kw})
+
+
+def _ref(model, x):
+    with torch.no_grad():
+        return model(**x)[0]
+
+
+@pytest.mark.parametrize("budget_name", ["all_streamed", "half", "all_resident"])
+def test_coded_forward_is_exact_at_every_budget_and_remove_restores(budget_name):
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    snap = snapshot(model)
+    budget = budgets(model)[budget_name]
+    handle = ddo_blocks.offload(model, vram_budget=budget, device="cpu", codec="fixed")
+    with torch.no_grad():
+        outs = [model(**x)[0] for _ in range(3)]
+    assert all(torch.equal(o, ref) for o in outs)
+    report = handle.report()
+    c = report["codec"]
+    if report["plan"]["streamed_units"]:
+        assert c["codec"] == "fixed" and c["coded_units"] == report["plan"]["streamed_units"]
+        assert c["raw_bytes"] == sum(p.numel() * 2 for u in handle.engine.streamed for _, p in u.params)
+        assert 0.70 < c["ratio"] < 0.80, c
+        # what one call sends over the link is the coded size, not the weights'
+        assert report["runtime"]["h2d_call_bytes"] == c["link_call_bytes"] == c["host_bytes"]
+    handle.remove()
+    assert_restored(model, snap)
+
+
+def test_minimum_budget_with_the_codec_runs_and_between_calls_weights_are_placeholders():
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    need = ddo_blocks.minimum_budget(model, codec="fixed")
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed")
+    assert handle.vram_budget == need
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], ref)
+    streamed = handle.engine.streamed[0].params[0][1]
+    # the host holds coded bytes only: the parameter is a one-element placeholder of its shape
+    assert streamed.untyped_storage().nbytes() <= 2 and torch.isnan(streamed).all()
+    handle.remove()
+    assert not torch.isnan(streamed).any()
+
+
+def test_edge_values_strides_and_mixed_dtypes_come_back_exact():
+    model = bf16_flux()
+    blocks = model.transformer_blocks
+    with torch.no_grad():
+        w = blocks[0].attn.to_q.weight
+        flat = w.view(-1)
+        flat[:8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-39, 3e38])
+        flat[100:612] = 1e-30  # a whole block far below its neighbours: escapes
+        flat[5000] = 1e30
+        # NaN payloads that a float round trip would not keep
+        flat.view(torch.int16)[20:24] = torch.tensor([0x7FC1, 0x7F81, -0x3F, -1], dtype=torch.int16)
+    # a transposed weight and an fp32 one in the same unit
+    blocks[0].attn.to_k.weight = torch.nn.Parameter(blocks[0].attn.to_k.weight.detach().t().contiguous().t())
+    blocks[0].attn.register_parameter("extra_fp32", torch.nn.Parameter(torch.randn(5001)))  # sent raw
+    blocks[0].attn.register_parameter("extra_odd", torch.nn.Parameter(torch.randn(4097).to(torch.bfloat16)))
+    assert not blocks[0].attn.to_k.weight.is_contiguous()
+    x = flux_inputs(model)
+    with torch.no_grad():
+        ref = model(**x)[0]
+    bits = {n: p.detach().clone().view(torch.uint8) if p.is_contiguous() else p.detach().clone()
+            for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed", units="block")
+    assert handle.report()["codec"]["escapes"] >= 512
+    with torch.no_grad():
+        out = model(**x)[0]
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    handle.remove()
+    assert all(p is params[n] for n, p in model.named_parameters())  # same objects; values: as bits below
+    for n, p in model.named_parameters():
+        got = p.detach().view(torch.uint8) if p.is_contiguous() else p.detach()
+        assert torch.equal(got, bits[n]), n  # bit for bit, NaN payloads included
+    assert blocks[0].attn.to_k.weight.stride() == (1, blocks[0].attn.to_k.weight.shape[0])
+
+
+def test_a_failed_attach_gives_back_the_units_already_coded(monkeypatch):
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    snap = snapshot(model)
+    real = _native.codec_encode_unit
+    calls = []
+
+    def encode_then_fail(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ddo_blocks.OffloadMemoryError("refused by the test")
+        return real(*args)
+
+    monkeypatch.setattr(coded._native, "codec_encode_unit", encode_then_fail)
+    with pytest.raises(ddo_blocks.OffloadMemoryError, match="refused by the test"):
+        ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed", units="block")
+    assert ddo_blocks.get_handle(model) is None
+    assert_restored(model, snap)
+    assert torch.equal(_ref(model, x), ref)
+
+
+def test_bad_codec_requests_are_clear_errors_and_leave_the_module_usable():
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    snap = snapshot(model)
+    with pytest.raises(ddo_blocks.ConfigError, match="codec='zstd' is not a codec; use one of 'off', 'fixed'"):
+        ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="zstd")
+    for preset in ("low_ram_safe", "wsl_compat", "warm_process"):
+        with pytest.raises(ddo_blocks.ConfigError, match=f"preset {preset!r}.*one_shot_fast"):
+            ddo_blocks.offload(model, preset=preset, vram_budget="min", device="cpu", codec="fixed")
+    with pytest.raises(ddo_blocks.ConfigError, match="codec"):
+        ddo_blocks.offload(model, route="resident", device="cpu", codec="fixed")
+    with pytest.raises(ddo_blocks.ConfigError, match="not a codec"):
+        ddo_blocks.minimum_budget(model, codec="lz4")
+    coded_min, plain_min = ddo_blocks.minimum_budget(model, codec="fixed"), ddo_blocks.minimum_budget(model)
+    assert coded_min == plain_min + coded.reserve_bytes(model, "fixed", torch.device("cuda")) > plain_min
+    preset = routes.get("linear").preset_map["one_shot_fast"]
+    with pytest.raises(ddo_blocks.BudgetError, match="after the .* of landing buffers the codec needs"):
+        plan.choose(model, plain_min, torch.device("cpu"), 1e10, preset, "auto", reserve=coded_min - plain_min)
+    with pytest.raises(ddo_blocks.BudgetError, match="does not even hold"):
+        plan.choose(model, 1000, torch.device("cpu"), 1e10, preset, "auto", reserve=4096)
+    assert ddo_blocks.get_handle(model) is None
+    assert_restored(model, snap)
+    assert torch.equal(_ref(model, x), ref)
+
+
+def test_a_model_without_bf16_weights_streams_raw_through_the_coded_store():
+    model = tiny_flux_transformer()  # float32
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed")
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], ref)
+    c = handle.report()["codec"]
+    assert c["coded_bytes"] == 0 and c["escapes"] == 0 and c["ratio"] >= 1.0
+    handle.remove()
+
+
+def test_landing_buffers_are_sized_for_the_largest_chunk():
+    model = bf16_flux()
+    largest = max(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16)
+    lb = coded.landing_bytes(model)
+    assert lb % 256 == 0 and 1.5 * largest < lb < 1.7 * largest
+    assert coded.reserve_bytes(model, "fixed", torch.device("cuda")) == coded.LANDING_BUFFERS * lb
+    assert coded.reserve_bytes(model, "fixed", torch.device("cpu")) == 0
+    assert coded.reserve_bytes(model, "off", torch.device("cuda")) == 0
+    assert coded.landing_bytes(tiny_flux_transformer()) == 0  # nothing in bf16
