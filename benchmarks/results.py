@@ -22,11 +22,18 @@ DERIVED = (
     "speedup_vs_diffusers_block",
     "speedup_vs_ddo_rc2",
     "host_copy_threads",
+    "codec_bound_s",
+    "codec_decode_s",
+    "ratio_codec_bound",
 )
 
 
+def _codec(r: dict[str, Any]) -> str:
+    return f"+{r['codec']}" if r.get("codec", "off") not in (None, "off") else ""
+
+
 def row_key(r: dict[str, Any]) -> str:
-    return f"{r.get('route')}|{r.get('preset') or r.get('offload_type') or '-'}|{r.get('budget') or '-'}"
+    return f"{r.get('route')}|{r.get('preset') or r.get('offload_type') or '-'}{_codec(r)}|{r.get('budget') or '-'}"
 
 
 def label(r: dict[str, Any]) -> str:
@@ -34,7 +41,7 @@ def label(r: dict[str, Any]) -> str:
     if route == "resident":
         return "all weights resident"
     if route == "ours":
-        return f"ddo_blocks linear {r.get('preset')}"
+        return f"ddo_blocks linear {r.get('preset')}" + (f" codec={r['codec']}" if _codec(r) else "")
     if route == "diffusers":
         return f"diffusers group offload {r.get('offload_type')}" + (
             " (use_stream)" if r.get("use_stream") else ""
@@ -108,6 +115,15 @@ def derive(doc: dict[str, Any]) -> dict[str, Any]:
         r["roofline_kind"] = kind
         r["ratio"] = r["step_s"] / roof if roof else None
         r["ratio_pinned"] = r["step_s"] / r["roofline_pinned_s"] if r["roofline_pinned_s"] else None
+        codec = ((r.get("report") or {}).get("codec") or {}) if _codec(r) else {}
+        if codec.get("link_call_bytes") is not None and link_bps and compute_s is not None:
+            # the compressed bound: the coded bytes over the link, or the compute plus the decode
+            # (it shares the SMs with the model's kernels), at the decode rate measured at attach
+            rate = codec.get("decode_gb_s")
+            decode = (codec.get("coded_bytes") or 0) / (rate * 1e9) if rate else 0.0
+            r["codec_bound_s"] = max(codec["link_call_bytes"] / link_bps, compute_s + decode)
+            r["codec_decode_s"] = decode
+            r["ratio_codec_bound"] = r["step_s"] / r["codec_bound_s"]
     _speedups(doc)
     return doc
 
@@ -274,6 +290,32 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {_x(r.get('speedup_vs_diffusers_block'))} | {_x(r.get('speedup_vs_ddo_rc2'))} "
             f"| {'; '.join(notes).replace('|', '/')} |"
         )
+    coded = [r for r in doc.get("rows", []) if _codec(r) and _ok(r)]
+    if coded:
+        lines += [
+            "",
+            "## Compressed transfer (codec)",
+            "",
+            (
+                "Rows with a codec against two bounds: the uncompressed roofline above (`max(compute, streamed / "
+                "link)`) and the compressed bound `max(link bytes / link, compute + decoded bytes / decode rate)`, "
+                "with the decode rate the row measured at attach (the decode shares the SMs with the model)."
+            ),
+            "",
+            (
+                "| row | budget | step s | uncompressed roofline s | step / roofline | streamed GiB | link GiB per call "
+                "| host / weights | decode GB/s | compressed bound s | step / compressed bound |"
+            ),
+            "|" + "---|" * 11,
+        ]
+        for r in coded:
+            c = (r.get("report") or {}).get("codec") or {}
+            lines.append(
+                f"| {r.get('label') or label(r)} | {r.get('budget') or '-'} | {_s(r.get('step_s'))} "
+                f"| {_s(r.get('roofline_s'))} | {_x(r.get('ratio'))} | {_g(r.get('streamed_bytes'))} "
+                f"| {_g(c.get('link_call_bytes'))} | {_s(c.get('ratio'))} | {_s(c.get('decode_gb_s'), 0)} "
+                f"| {_s(r.get('codec_bound_s'))} | {_x(r.get('ratio_codec_bound'))} |"
+            )
     comps = doc.get("comparisons") or []
     if comps:
         lines += [

@@ -102,7 +102,18 @@ def _files_hint(route: Any) -> str:
     return f"; route {route.name!r} streams from the model's files: python -m benchmarks.nvme benchmarks it"
 
 
-def _check_ours(preset: str) -> None:
+def split_codec(sub: str) -> tuple[str, str]:
+    """``PRESET+CODEC`` (``one_shot_fast+fixed``: the preset with a codec) -> ``(PRESET, CODEC)``."""
+    preset, _, codec = sub.partition("+")
+    return preset, codec or "off"
+
+
+def _check_ours(sub: str) -> None:
+    from ddo_blocks.streaming.coded import CODECS
+
+    preset, codec = split_codec(sub)
+    if codec not in CODECS:
+        raise SystemExit(f"unknown codec {codec!r} in {OURS}:{sub}; {OURS}:PRESET+CODEC takes {', '.join(CODECS)}")
     if preset in our_presets():
         return
     from ddo_blocks import routes
@@ -173,10 +184,11 @@ def _spec(route: str, preset: str | None = None, budget: tuple[str, int] | None 
             **extra}
 
 
-def _ours_specs(preset: str, budgets: list[tuple[str, int]]) -> list[dict[str, Any]]:
+def _ours_specs(sub: str, budgets: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    preset, codec = split_codec(sub)
     route = our_presets()[preset]
     keep_warm = preset in route.preset_map and route.preset_map[preset].keep_warm
-    return [_spec(OURS, preset, b, ddo_blocks_route=route.name, keep_warm=keep_warm) for b in budgets]
+    return [_spec(OURS, preset, b, ddo_blocks_route=route.name, keep_warm=keep_warm, codec=codec) for b in budgets]
 
 
 def _ddo_env(budget_bytes: int) -> dict[str, str]:
@@ -215,7 +227,8 @@ def make_specs(
         specs += _family_specs(sel, budgets, ddo_low, own)
     unique: dict[str, dict[str, Any]] = {}
     for s in specs:
-        s["selector"] = f"{s['route']}:{s['preset'] or s['offload_type']}" if s["route"] != "resident" else "resident"
-        s["id"] = _safe("-".join(str(x) for x in (s["route"], s["preset"] or s["offload_type"], s["budget"]) if x))
+        sub = (s["preset"] or s["offload_type"] or "") + (f"+{s['codec']}" if s.get("codec", "off") != "off" else "")
+        s["selector"] = f"{s['route']}:{sub}" if s["route"] != "resident" else "resident"
+        s["id"] = _safe("-".join(str(x) for x in (s["route"], sub, s["budget"]) if x))
         unique.setdefault(s["id"], s)  # the same route and budget asked twice (ours:X and ours:X@B) runs once
     return list(unique.values())

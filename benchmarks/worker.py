@@ -35,6 +35,7 @@ ROW_FIELDS = (
     "budget",
     "budget_bytes",
     "offload_type",
+    "codec",
     "status",
     "error",
     "note",
@@ -60,7 +61,7 @@ ROW_FIELDS = (
 
 def stub_row(spec: dict[str, Any], status: str = "error", note: str | None = None) -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(ROW_FIELDS)
-    row.update({k: spec.get(k) for k in ("id", "route", "preset", "budget", "budget_bytes", "offload_type")})
+    row.update({k: spec.get(k) for k in ("id", "route", "preset", "budget", "budget_bytes", "offload_type", "codec")})
     row.update(status=status, note=note)
     return row
 
@@ -295,13 +296,18 @@ def _attach_resident(model, spec, dev, ctx) -> Attached:
 def _offload_ours(model, spec, dev):
     import ddo_blocks
 
+    codec = spec.get("codec", "off")
+    options = {"codec": codec} if codec != "off" else {}
+    # a codec's minimum holds its landing buffers too: 'min' is resolved for the row's own options
+    budget = "min" if spec.get("budget") == "min" and options else spec["budget_bytes"]
     return ddo_blocks.offload(
         model,
         route=spec["ddo_blocks_route"],
         preset=spec["preset"],
-        vram_budget=spec["budget_bytes"],
+        vram_budget=budget,
         device=dev,
         component="transformer",
+        **options,
     )
 
 
@@ -323,7 +329,7 @@ def _attach_ours(model, spec, dev, ctx) -> Attached:
             "pinned_bytes": r["memory"].get("pinned_bytes"),
             "pinned_source": "ddo_blocks report memory.pinned_bytes",
             "predicted_step_s": r["plan"].get("predicted_step_s"),
-            "report": {k: r.get(k) for k in ("preset", "plan", "setup", "runtime", "roofline", "memory")},
+            "report": {k: r.get(k) for k in ("preset", "plan", "setup", "runtime", "roofline", "memory", "codec")},
         }
         return extra
 

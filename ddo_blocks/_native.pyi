@@ -124,6 +124,38 @@ class Transport:
         """``[(file, file_offset, nbytes, slot_offset)]``, one per tensor; returns the unit index."""
     def fetch_file(self, slot: int, dst: int, unit: int) -> None: ...
     def disk_stats(self) -> tuple[int, int]: ...
+    # the codec: units held coded, decoded into the slot (a decode ring of landing buffers on a GPU)
+    def set_decoder(self, decode_stream: int, landing: Sequence[int], landing_bytes: int) -> None: ...
+    def add_coded_unit(self, unit: CodedUnit, host: int) -> int: ...
+    def fetch_coded(self, slot: int, dst: int, unit: int) -> None: ...
+
+# the lossless 12-bit code for bf16 (ddo_core::codec)
+CODEC_CHUNK_ELEMS: int
+CODEC_BLOCK: int
+
+class CodedUnit:
+    """A unit laid out in coded form: raw pieces and coded chunks, in slot order."""
+
+    nbytes: int
+    """Bytes of the host buffer: what one fetch sends over the link."""
+    out_bytes: int
+    largest_coded: int
+    coded_values: int
+    escapes: int
+    coded_pieces: list[tuple[int, int, int, int, int]]
+    """``(src, len, dst, values, escapes)`` per coded chunk."""
+    raw_pieces: list[tuple[int, int, int]]
+    """``(src, len, dst)`` per raw piece."""
+
+def codec_count_escapes(tensors: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Escapes per chunk of each ``(address, values)`` bf16 tensor."""
+def layout_coded_unit(tensors: Sequence[tuple[int, int, bool]], escapes: Sequence[Sequence[int]],
+                      max_chunk_bytes: int) -> CodedUnit:
+    """``tensors``: ``(slot_offset, nbytes, is_bf16)``; ``escapes``: per bf16 tensor, from codec_count_escapes."""
+def codec_encode_unit(unit: CodedUnit, tensors: Sequence[tuple[int, int]], dst: int) -> None: ...
+def codec_decode_unit(unit: CodedUnit, src: int, tensors: Sequence[tuple[int, int]]) -> None: ...
+def codec_decode_device(device: int, stream: int, chunk: int, out: int, values: int, escapes: int) -> None:
+    """Queues the GPU decode of one coded chunk (device addresses) on ``stream``."""
 
 # planning: every result is a frozen class (read-only attributes, __repr__, __eq__; to_dict() for reports)
 class Plan:

@@ -122,6 +122,18 @@ def test_our_specs_name_the_registry_route_and_its_keep_warm():
     assert [s["id"] for s in specs][:2] == ["resident", "ours-one_shot_fast-2GiB"]
 
 
+def test_codec_rows_run_beside_the_uncompressed_ones_and_a_bad_codec_is_refused():
+    budgets = [("min", 7), ("4GiB", 4 * GIB)]
+    specs = rows.make_specs(rows.expand_routes("resident,ours:one_shot_fast,ours:one_shot_fast+fixed"), budgets, [])
+    ids = [s["id"] for s in specs]
+    assert ids == ["resident", "ours-one_shot_fast-min", "ours-one_shot_fast-4GiB", "ours-one_shot_fast_fixed-min",
+                   "ours-one_shot_fast_fixed-4GiB"]
+    assert [s["codec"] for s in specs if s["route"] == "ours"] == ["off", "off", "fixed", "fixed"]
+    assert specs[-1]["selector"] == "ours:one_shot_fast+fixed" and specs[-1]["preset"] == "one_shot_fast"
+    with pytest.raises(SystemExit, match="unknown codec 'zstd'.*off, fixed"):
+        rows.expand_routes("ours:one_shot_fast+zstd")
+
+
 @pytest.mark.parametrize(("token", "label", "nbytes"), [
     ("2", "2GiB", 2 * GIB),
     ("512 MiB", "512MiB", 512 << 20),
