@@ -106,7 +106,8 @@ def parser() -> argparse.ArgumentParser:
         default="all",
         help="comma list of: all, resident, ours (= linear), ours:PRESET, diffusers, diffusers:block_level, "
         "diffusers:leaf_level, ddo, ddo:one_shot_fast, ddo:low_ram_safe (default all); ROUTE@B1/B2 runs "
-        "that route at its own budgets instead of --budgets (ours:one_shot_fast@7/16)",
+        "that route at its own budgets instead of --budgets (ours:one_shot_fast@7/16); ours:PRESET+CODEC runs a "
+        "preset with a codec (ours:one_shot_fast+fixed: weights coded at 12 bits, decoded on the GPU)",
     )
     g.add_argument(
         "--budgets",
