@@ -3,9 +3,9 @@
     python -m benchmarks.profile --device cuda --budget 12GiB --out "$OUT/profile"
 
 Builds the Flux-dev-sized transformer (random bf16 weights, built on the device, moved to the host),
-offloads it with the linear route, runs warm-up calls, then profiles ``--steps`` calls. From the
+offloads it with the linear route (``--codec fixed``: coded weights, decoded on the GPU), runs warm-up calls, then profiles ``--steps`` calls. From the
 Chrome trace it takes every kernel (compute) and every host-to-device memcpy (the copy stream) and
-reports, per profiled call: its span, the link's busy time (bytes / span = achieved GB/s), the
+reports, per profiled call (the codec's decode kernels in a lane of their own): its span, the link's busy time (bytes / span = achieved GB/s), the
 compute's busy time, and the time compute sat idle, split into "while the link was busy" (waiting
 for a copy, or the link prefetching ahead) and "with the link idle too" (host-side overhead:
 launches, hooks). A PNG draws both timelines.
@@ -20,10 +20,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+DECODE_KERNEL = "ddo_decode12"
+"""The codec's decode kernel: its own lane, apart from the model's compute."""
 
-def _intervals(events: list[dict[str, Any]], cats: tuple[str, ...]) -> list[tuple[float, float]]:
+
+def _intervals(events: list[dict[str, Any]], cats: tuple[str, ...], decode: bool | None = None) -> list[tuple[float, float]]:
+    """Intervals of the events of ``cats``; ``decode``: only the decode kernel (True), all but it (False)."""
     out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-           if e.get("ph") == "X" and e.get("cat") in cats]
+           if e.get("ph") == "X" and e.get("cat") in cats
+           and (decode is None or (e.get("name") == DECODE_KERNEL) == decode)]
     return sorted(out)
 
 
@@ -57,7 +62,8 @@ def analyse(trace: dict[str, Any], call_windows: list[tuple[float, float]]) -> l
     """Per call window (µs, trace clock): span, compute busy, link busy, compute idle, link busy,
     idle with both idle."""
     events = trace.get("traceEvents", [])
-    compute = _merge(_intervals(events, ("kernel",)))
+    compute = _merge(_intervals(events, ("kernel",), decode=False))
+    decodes = _merge(_intervals(events, ("kernel",), decode=True))
     copies = _merge(_intervals(events, ("gpu_memcpy",)))
     rows = []
     for lo, hi in call_windows:
@@ -73,6 +79,7 @@ def analyse(trace: dict[str, Any], call_windows: list[tuple[float, float]]) -> l
             "link_busy_s": busy_l / 1e6,
             "compute_idle_link_busy_s": wait_on_copy / 1e6,
             "idle_both_s": max(0.0, idle_c - wait_on_copy) / 1e6,
+            "decode_busy_s": _length(decodes, lo, hi) / 1e6,
         })
     return rows
 
@@ -84,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="12GiB")
     p.add_argument("--preset", default="one_shot_fast")
     p.add_argument("--units", default="auto")
+    p.add_argument("--codec", default="off", help="off or fixed (the weights coded at 12 bits, decoded on the GPU)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/profile")
@@ -108,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     x = flux_inputs(model, height=side, width=side, text_len=text, device=dev)
     weights = sum(q.numel() * q.element_size() for q in model.parameters())
     budget = parse_size(args.budget, weights, bare_unit="B")  # vram_budget's own reading
-    handle = ddo_blocks.offload(model, preset=args.preset, vram_budget=budget, device=dev, units=args.units)
+    codec = {"codec": args.codec} if args.codec != "off" else {}
+    handle = ddo_blocks.offload(model, preset=args.preset, vram_budget=budget, device=dev, units=args.units, **codec)
 
     def call(**inputs: Any) -> Any:  # the call's host span ends after its synchronize: it covers its GPU work
         with torch.profiler.record_function("ddo_call"):
@@ -136,12 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     report = handle.report().to_dict()
     handle.remove()
     doc = {"command": "python -m benchmarks.profile " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "host_timed_s": marks, "calls": rows, "plan": report["plan"], "roofline": report["roofline"]}
+           "host_timed_s": marks, "calls": rows, "plan": report["plan"], "roofline": report["roofline"],
+           "codec": report.get("codec")}
     (out / "profile.json").write_text(json.dumps(doc, indent=2))
     for i, r in enumerate(rows):
         print(f"call {i}: span {r['span_s']:.4f} s, compute busy {r['compute_busy_s']:.4f} s, link busy "
               f"{r['link_busy_s']:.4f} s, compute idle, link busy {r['compute_idle_link_busy_s']:.4f} s, "
-              f"both idle {r['idle_both_s']:.4f} s")
+              f"both idle {r['idle_both_s']:.4f} s, decode busy {r['decode_busy_s']:.4f} s")
     _plot(trace, windows[: args.steps], out / "timeline.png")
     print(f"wrote {out}/profile.json, trace.json, timeline.png")
     return 0
@@ -154,16 +164,17 @@ def _plot(trace: dict[str, Any], windows: list[tuple[float, float]], path: Path)
     import matplotlib.pyplot as plt
 
     events = trace.get("traceEvents", [])
-    lanes = {"compute (kernels)": _merge(_intervals(events, ("kernel",))),
-             "link (H2D copies)": _merge(_intervals(events, ("gpu_memcpy",)))}
+    lanes = {"compute (kernels)": _merge(_intervals(events, ("kernel",), decode=False)),
+             "link (H2D copies)": _merge(_intervals(events, ("gpu_memcpy",))),
+             "decode (codec)": _merge(_intervals(events, ("kernel",), decode=True))}
     if not windows:
         return
     lo, hi = windows[0][0], windows[-1][1]
-    fig, ax = plt.subplots(figsize=(14, 2.5))
+    fig, ax = plt.subplots(figsize=(14, 3))
     for row, iv in enumerate(lanes.values()):
         bars = [((a - lo) / 1e3, (b - a) / 1e3) for a, b in iv if b > lo and a < hi]
-        ax.broken_barh(bars, (row * 10, 8), facecolors="tab:blue" if row == 0 else "tab:orange")
-    ax.set_yticks([4, 14], list(lanes))
+        ax.broken_barh(bars, (row * 10, 8), facecolors=("tab:blue", "tab:orange", "tab:green")[row])
+    ax.set_yticks([4 + 10 * i for i in range(len(lanes))], list(lanes))
     ax.set_xlabel("ms since the first profiled call")
     ax.set_title("copy and compute timelines")
     fig.tight_layout()

@@ -294,12 +294,17 @@ def _attach_resident(model, spec, dev, ctx) -> Attached:
 
 
 def _offload_ours(model, spec, dev):
+    import torch
+
     import ddo_blocks
+    from ddo_blocks.streaming import coded
 
     codec = spec.get("codec", "off")
     options = {"codec": codec} if codec != "off" else {}
-    # a codec's minimum holds its landing buffers too: 'min' is resolved for the row's own options
-    budget = "min" if spec.get("budget") == "min" and options else spec["budget_bytes"]
+    budget = spec["budget_bytes"]
+    if spec.get("budget") == "min" and options:
+        # the same plan as the uncompressed row at 'min', plus the codec's landing buffers
+        budget += coded.reserve_bytes(model, codec, torch.device(dev))
     return ddo_blocks.offload(
         model,
         route=spec["ddo_blocks_route"],

@@ -126,21 +126,33 @@ class CodedSlabs:
     def build(self) -> None:
         e = self.engine
         t0 = time.perf_counter()
+        clock = self.phase_s = dict.fromkeys(("read", "count", "alloc", "encode", "pin_wait"), 0.0)
+
+        def lap(phase: str, since: float) -> float:
+            now = time.perf_counter()
+            clock[phase] += now - since
+            return now
+
         pinning: list[Future] = []
         total = sum(e.layout_bytes)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, _progress(
                 total, "coding", quiet=e.loader is not None) as bar:
             try:
                 for u, unit in enumerate(e.streamed):
+                    tick = time.perf_counter()
                     srcs = self._sources(u)
+                    tick = lap("read", tick)
                     bf16 = [t.numel() >= MIN_CODED_VALUES and t.dtype == torch.bfloat16 for t in srcs]
                     counts = _native.codec_count_escapes([(t.data_ptr(), t.numel()) for t, b in zip(srcs, bf16) if b])
                     it = iter(counts)
                     escapes = [next(it) if b else [] for b in bf16]
                     specs = [(off, span_nbytes(t), b) for t, off, b in zip(srcs, e.offsets[u], bf16)]
                     layout = _native.layout_coded_unit(specs, escapes, self.landing_bytes if self.pin else 1 << 62)
+                    tick = lap("count", tick)
                     storage, buf = _alloc(layout.nbytes)
+                    tick = lap("alloc", tick)
                     _native.codec_encode_unit(layout, [(t.data_ptr(), span_nbytes(t)) for t in srcs], buf.data_ptr())
+                    tick = lap("encode", tick)
                     self.units.append(layout)
                     self.buffers.append((storage, buf))
                     hollow = [_placeholder(p) for _, p in unit.params]
@@ -154,12 +166,14 @@ class CodedSlabs:
                                                    e.device.index or 0))
                     bar.update(e.layout_bytes[u])
             finally:
+                tick = time.perf_counter()
                 errors = []
                 for f in pinning:
                     try:
                         self.registrations.append(f.result())
                     except DdoError as exc:
                         errors.append(exc)
+                lap("pin_wait", tick)
                 if errors:
                     raise errors[0]
         self.encode_s = time.perf_counter() - t0
@@ -172,7 +186,9 @@ class CodedSlabs:
             if e.device.type == "cuda" and largest:
                 lb = -(-largest // 256) * 256
                 self.landing = torch.empty(LANDING_BUFFERS * lb, dtype=torch.uint8, device=e.device)
-                self.decode_stream = torch.cuda.Stream(e.device)
+                # high priority: a decode waiting behind the model's kernels would hold its landing
+                # buffer and so the copy engine; its blocks go first as SMs free up
+                self.decode_stream = torch.cuda.Stream(e.device, priority=-1)
                 base = self.landing.data_ptr()
                 transport.set_decoder(self.decode_stream.cuda_stream, [base + k * lb for k in range(LANDING_BUFFERS)],
                                       lb)
@@ -252,7 +268,8 @@ class CodedSlabs:
         decode_s = 2 * coded_values / self.decode_bytes_per_s if self.decode_bytes_per_s else None
         return {
             "plan": {"host_slabs": len(self.units), "host_slab_bytes": self.host_bytes},
-            "setup": {"encode_s": self.encode_s, "packed_bytes": self.host_bytes},
+            "setup": {"encode_s": self.encode_s, "packed_bytes": self.host_bytes,
+                      **{f"encode_{k}_s": v for k, v in getattr(self, "phase_s", {}).items()}},
             "memory": {"pinned_bytes": sum(r.nbytes for r in self.registrations)},
             "codec": {
                 "codec": "fixed",

@@ -104,52 +104,57 @@ fn exponent(v: u16) -> u16 {
     (v >> 7) & 0xff
 }
 
-/// The base exponent of one block: its largest finite exponent minus 13, at least 1.
-fn block_base(block: &[u16]) -> u16 {
+/// The exponent codes of one block into `codes[..block.len()]`; returns the block's base (its
+/// largest finite exponent minus 13, at least 1) and its escapes. Branch-free, so it vectorises.
+fn block_codes(block: &[u16], codes: &mut [u8; BLOCK]) -> (u16, usize) {
     let e_max = block
         .iter()
-        .map(|&v| exponent(v))
-        .filter(|&e| e < 255)
-        .max()
-        .unwrap_or(0);
-    e_max.saturating_sub(WINDOW - 1).max(1)
-}
-
-#[inline]
-fn code_of(e: u16, base: u16) -> u8 {
-    if e == 0 {
-        0
-    } else if e >= base && e < base + WINDOW {
-        (e - base + 1) as u8
-    } else {
-        ESCAPE
+        .map(|&v| {
+            let e = exponent(v);
+            if e == 255 {
+                0
+            } else {
+                e
+            }
+        })
+        .fold(0u16, u16::max);
+    let base = e_max.saturating_sub(WINDOW - 1).max(1);
+    let mut escapes = 0usize;
+    for (c, &v) in codes.iter_mut().zip(block) {
+        let e = exponent(v);
+        let d = e.wrapping_sub(base).wrapping_add(1); // 1..=14 inside the window
+        let code = if e == 0 {
+            0
+        } else if (1..=WINDOW).contains(&d) {
+            d
+        } else {
+            u16::from(ESCAPE)
+        };
+        *c = code as u8;
+        escapes += usize::from(code == u16::from(ESCAPE));
     }
+    (base, escapes)
 }
 
 /// Escapes a chunk of these values will have.
 pub fn count_escapes(values: &[u16]) -> usize {
+    let mut codes = [0u8; BLOCK];
     values
         .chunks(BLOCK)
-        .map(|block| {
-            let base = block_base(block);
-            block
-                .iter()
-                .filter(|&&v| code_of(exponent(v), base) == ESCAPE)
-                .count()
-        })
+        .map(|block| block_codes(block, &mut codes).1)
         .sum()
 }
 
-/// Codes one chunk of `values` (at most [`CHUNK_ELEMS`]) into `out`, which must be exactly
-/// [`chunk_layout`]`(values.len(), count_escapes(values)).nbytes` bytes. Returns the escapes written.
-pub fn encode_chunk(values: &[u16], out: &mut [u8]) -> Result<usize> {
+/// Codes one chunk of `values` (at most [`CHUNK_ELEMS`]) with `n_esc` escapes (from
+/// [`count_escapes`]) into `out`, which must be exactly [`chunk_layout`]`(values.len(), n_esc).nbytes`
+/// bytes. A different number of escapes is an error (the values changed since they were counted).
+pub fn encode_chunk(values: &[u16], n_esc: usize, out: &mut [u8]) -> Result<()> {
     let n = values.len();
     if n > CHUNK_ELEMS {
         return Err(CoreError::InvalidArgument(format!(
             "a coded chunk holds at most {CHUNK_ELEMS} values, got {n}"
         )));
     }
-    let n_esc = count_escapes(values);
     let lay = chunk_layout(n, n_esc);
     if out.len() != lay.nbytes {
         return Err(CoreError::InvalidArgument(format!(
@@ -158,31 +163,57 @@ pub fn encode_chunk(values: &[u16], out: &mut [u8]) -> Result<usize> {
             out.len()
         )));
     }
-    out.fill(0);
     let (head, esc_bytes) = out.split_at_mut(lay.escapes);
     let (head, code_bytes) = head.split_at_mut(lay.codes);
     let (base_bytes, sign_bytes) = head.split_at_mut(lay.signs);
-    let mut escapes = esc_bytes.chunks_exact_mut(4);
+    base_bytes.fill(0);
+    sign_bytes[n..].fill(0);
+    code_bytes[n / 2..].fill(0);
+    esc_bytes.fill(0);
+    let mut codes = [0u8; BLOCK];
+    let mut written = 0usize;
     for (b, block) in values.chunks(BLOCK).enumerate() {
-        let base = block_base(block);
+        let (base, escapes) = block_codes(block, &mut codes);
         base_bytes[b] = base as u8;
         let first = b * BLOCK;
-        for (k, &v) in block.iter().enumerate() {
+        for (s, &v) in sign_bytes[first..first + block.len()].iter_mut().zip(block) {
+            *s = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
+        }
+        let len = block.len();
+        for (byte, pair) in code_bytes[first / 2..first / 2 + len / 2]
+            .iter_mut()
+            .zip(codes[..len].chunks_exact(2))
+        {
+            *byte = pair[0] | (pair[1] << 4);
+        }
+        if len % 2 == 1 {
+            code_bytes[(first + len) / 2] = codes[len - 1];
+        }
+        if escapes == 0 {
+            continue;
+        }
+        if written + escapes > n_esc {
+            return Err(CoreError::InvalidArgument(format!(
+                "the chunk has more than the {n_esc} escapes counted: its values changed while it was coded"
+            )));
+        }
+        for (k, _) in codes[..len]
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c == ESCAPE)
+        {
             let i = first + k;
-            let e = exponent(v);
-            sign_bytes[i] = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
-            let code = code_of(e, base);
-            code_bytes[i / 2] |= code << (4 * (i % 2));
-            if code == ESCAPE {
-                let entry = ((i as u32) << 8) | u32::from(e);
-                // count_escapes counted exactly these, so the iterator cannot run out
-                if let Some(slot) = escapes.next() {
-                    slot.copy_from_slice(&entry.to_le_bytes());
-                }
-            }
+            let entry = ((i as u32) << 8) | u32::from(exponent(block[k]));
+            esc_bytes[4 * written..4 * written + 4].copy_from_slice(&entry.to_le_bytes());
+            written += 1;
         }
     }
-    Ok(n_esc)
+    if written != n_esc {
+        return Err(CoreError::InvalidArgument(format!(
+            "the chunk has {written} escapes, {n_esc} were counted: its values changed while it was coded"
+        )));
+    }
+    Ok(())
 }
 
 fn corrupt(msg: String) -> CoreError {
@@ -466,7 +497,7 @@ mod tests {
         let n_esc = count_escapes(values);
         let lay = chunk_layout(values.len(), n_esc);
         let mut coded = vec![0xAAu8; lay.nbytes];
-        assert_eq!(encode_chunk(values, &mut coded).unwrap(), n_esc);
+        encode_chunk(values, n_esc, &mut coded).unwrap();
         let mut back = vec![0u16; values.len()];
         decode_chunk(&coded, n_esc, &mut back).unwrap();
         assert_eq!(back, values);
@@ -610,9 +641,11 @@ mod tests {
         let n_esc = count_escapes(&v);
         let lay = chunk_layout(v.len(), n_esc);
         let mut small = vec![0u8; lay.nbytes - 16];
-        assert!(encode_chunk(&v, &mut small).is_err());
+        assert!(encode_chunk(&v, n_esc, &mut small).is_err());
+        let mut right = vec![0u8; lay.nbytes];
+        assert!(encode_chunk(&v, n_esc + 1, &mut right).is_err()); // a wrong count: refused
         let mut coded = vec![0u8; lay.nbytes];
-        encode_chunk(&v, &mut coded).unwrap();
+        encode_chunk(&v, n_esc, &mut coded).unwrap();
         let mut out = vec![0u16; v.len()];
         assert!(decode_chunk(&coded[..lay.nbytes - 16], n_esc, &mut out).is_err());
         // a wrong escape count, a base out of range, an escape for the wrong value
@@ -624,7 +657,7 @@ mod tests {
         bad[lay.codes] = (bad[lay.codes] & 0xf0) | ESCAPE;
         assert!(decode_chunk(&bad, n_esc, &mut out).is_err());
         let too_many = vec![0u16; CHUNK_ELEMS + 1];
-        assert!(encode_chunk(&too_many, &mut []).is_err());
+        assert!(encode_chunk(&too_many, 0, &mut []).is_err());
     }
 
     #[test]

@@ -11,8 +11,9 @@
 //! ```
 //!
 //! over a ring of landing buffers (device memory the caller allocates, through PyTorch), so the
-//! copy engine moves chunk `c + 1` while the SMs decode chunk `c`; the copy stream then waits for
-//! the last decode before the job records the slot's arrival. The decode stream sees the slot only
+//! copy engine moves chunk `c + 1` while the SMs decode chunk `c`; then the decode stream waits for
+//! the copy stream's raw copies and the job records the slot's arrival there, so the copy engine
+//! never waits for a decode except to reuse a landing buffer. The decode stream sees the slot only
 //! after the copy stream's wait for its last consumer (through `landed[k]`).
 //!
 //! Encoding and decoding on the host run in parallel on the rayon pool, one chunk a task.
@@ -258,15 +259,8 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                         *values,
                     )
                 };
-                let written = codec::encode_chunk(v, out)
-                    .map_err(|e| CudaError::InvalidArgument(e.to_string()))?;
-                if written != *escapes {
-                    return Err(CudaError::InvalidArgument(format!(
-                        "a chunk of tensor {tensor} has {written} escapes, {escapes} were counted: \
-                         the tensor changed while it was coded"
-                    )));
-                }
-                Ok(())
+                codec::encode_chunk(v, *escapes, out)
+                    .map_err(|e| CudaError::InvalidArgument(format!("tensor {tensor}: {e}")))
             }
         }
     })
@@ -329,7 +323,7 @@ pub(crate) struct DecodeRing {
     landing_bytes: usize,
     landed: Vec<Event>,
     decoded: Vec<Event>,
-    /// One event: the last decode of a job, which the copy stream waits for.
+    /// One event: the copy stream after a job's copies, which the decode stream waits for.
     done: Vec<Event>,
     next: Mutex<usize>,
     errors: ErrorSlot,
@@ -391,6 +385,11 @@ impl DecodeRing {
     pub fn landing_bytes(&self) -> usize {
         self.landing_bytes
     }
+
+    /// Blocks the host until every decode queued so far has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        crate::driver::synchronize_stream(self.decode_stream, "draining decodes")
+    }
 }
 
 impl Drop for DecodeRing {
@@ -414,7 +413,10 @@ pub(crate) struct HostCodedUnit {
     pub host: usize,
 }
 
-/// The post-copy stage of a coded fetch: decode every coded chunk into the slot.
+/// The post-copy stage of a coded fetch: decode every coded chunk into the slot. On the GPU the
+/// slot is ready once the decode stream has run the unit's last decode and caught up with the copy
+/// stream's raw copies: arrival is recorded on the decode stream, so the copy stream never waits
+/// for a decode except to reuse a landing buffer.
 #[derive(Debug)]
 pub(crate) struct DecodeStage {
     pub unit: Arc<HostCodedUnit>,
@@ -422,7 +424,20 @@ pub(crate) struct DecodeStage {
     pub ring: Option<Arc<DecodeRing>>,
 }
 
+impl DecodeStage {
+    fn has_coded(&self) -> bool {
+        self.unit.unit.largest_coded() > 0
+    }
+}
+
 impl Stage for DecodeStage {
+    fn arrival_stream(&self) -> Option<Stream> {
+        match &self.ring {
+            Some(ring) if self.has_coded() => Some(ring.decode_stream),
+            _ => None,
+        }
+    }
+
     fn run(&self, copy_stream: Option<Stream>, sink: &Sink) -> Result<()> {
         let base = sink.addr();
         let host = self.unit.host;
@@ -486,8 +501,9 @@ impl Stage for DecodeStage {
             any = true;
         }
         if any {
-            ring.done[0].record(ring.decode_stream)?;
-            ring.done[0].wait_on(stream)?;
+            // the raw copies, queued on the copy stream before this stage, come before arrival
+            ring.done[0].record(stream)?;
+            ring.done[0].wait_on(ring.decode_stream)?;
         }
         Ok(())
     }

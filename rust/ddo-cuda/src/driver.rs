@@ -245,6 +245,17 @@ pub fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
 }
 
 /// Turns a driver result code into a [`CudaError`], naming the call and what it was doing.
+/// Blocks the host until the work queued so far on `stream` (of the current context) completed.
+pub(crate) fn synchronize_stream(stream: Stream, context: &str) -> Result<()> {
+    // SAFETY: `Stream` holds 0 or a live stream of the current context, alive while its owner is
+    // (`Stream::from_raw`'s contract).
+    check(
+        unsafe { sys::cuStreamSynchronize(stream.raw()) },
+        "cuStreamSynchronize",
+        context,
+    )
+}
+
 pub(crate) fn check(code: sys::CUresult, call: &'static str, context: &str) -> Result<()> {
     if code == sys::CUresult::CUDA_SUCCESS {
         return Ok(());

@@ -141,6 +141,11 @@ impl Sink {
 /// job and queues its device work on `copy_stream` (`None` on the CPU target: work is done now).
 pub(crate) trait Stage: Send + Sync + std::fmt::Debug {
     fn run(&self, copy_stream: Option<Stream>, sink: &Sink) -> Result<()>;
+    /// The stream whose work so far makes the slot ready, when it is not the copy stream (a
+    /// decode stage that ordered the copies before its last decode): arrival is recorded there.
+    fn arrival_stream(&self) -> Option<Stream> {
+        None
+    }
 }
 
 /// One fetch: a source, a sink and the optional stages around the copies.
@@ -216,6 +221,11 @@ pub(crate) trait Lane: Send + Sync {
     fn wait_uploaded(&self, buffer: usize) -> Result<()>;
     /// Marks the copies queued so far as the slot's contents.
     fn record_arrived(&self, slot: usize) -> Result<()>;
+    /// Marks the work queued so far on `stream` (a post-copy stage's) as the slot's contents.
+    fn record_arrived_on(&self, slot: usize, stream: Stream) -> Result<()> {
+        let _ = stream;
+        self.record_arrived(slot)
+    }
     /// Makes `compute` wait until the slot's contents have arrived (GPU side).
     fn acquire(&self, slot: usize, compute: Stream) -> Result<()>;
     /// Marks the slot as consumed by the work queued so far on `compute`.
@@ -255,10 +265,15 @@ pub(crate) unsafe fn enqueue(
     copied?;
     recorded?;
     if part.last {
+        let mut arrival = None;
         if let Some(stage) = &job.post_copy {
             stage.run(lane.stream(), &job.sink)?;
+            arrival = stage.arrival_stream();
         }
-        lane.record_arrived(slot)?;
+        match arrival {
+            Some(stream) => lane.record_arrived_on(slot, stream)?,
+            None => lane.record_arrived(slot)?,
+        }
     }
     Ok(())
 }
@@ -392,6 +407,9 @@ impl Lane for CudaLane {
     fn record_arrived(&self, slot: usize) -> Result<()> {
         self.slots.arrived[slot].record(self.copy_stream)
     }
+    fn record_arrived_on(&self, slot: usize, stream: Stream) -> Result<()> {
+        self.slots.arrived[slot].record(stream)
+    }
     fn acquire(&self, slot: usize, compute: Stream) -> Result<()> {
         self.slots.arrived[slot].wait_on(compute)
     }
@@ -399,13 +417,7 @@ impl Lane for CudaLane {
         self.slots.consumed[slot].record(compute)
     }
     fn synchronize(&self) -> Result<()> {
-        // SAFETY: `Stream` holds 0 or a live stream of the current context, alive while the
-        // transport is (`Stream::from_raw`'s contract).
-        check(
-            unsafe { sys::cuStreamSynchronize(self.copy_stream.raw()) },
-            "cuStreamSynchronize",
-            "draining copies",
-        )
+        crate::driver::synchronize_stream(self.copy_stream, "draining copies")
     }
 }
 
@@ -448,6 +460,7 @@ pub(crate) mod tests {
         Uploaded(usize),
         WaitUploaded(usize),
         Arrived(usize),
+        ArrivedOn(usize, u64),
     }
 
     /// A CPU lane that really copies and logs every step; copies fail on request.
@@ -492,6 +505,10 @@ pub(crate) mod tests {
         }
         fn record_arrived(&self, slot: usize) -> Result<()> {
             self.push(Op::Arrived(slot));
+            Ok(())
+        }
+        fn record_arrived_on(&self, slot: usize, stream: Stream) -> Result<()> {
+            self.push(Op::ArrivedOn(slot, stream.handle()));
             Ok(())
         }
         fn acquire(&self, _slot: usize, _compute: Stream) -> Result<()> {
@@ -666,6 +683,33 @@ pub(crate) mod tests {
         assert!(unsafe { enqueue(&rec, Part::whole(&job), [copy]) }.is_err());
         assert_eq!(rec.ops(), [Op::Wait(1), Op::Pre(1)]);
         assert_eq!(dst, [0; 8]);
+    }
+
+    /// A post-copy stage whose own stream makes the slot ready (a decode).
+    #[derive(Debug)]
+    struct OnItsStream;
+
+    impl Stage for OnItsStream {
+        fn run(&self, _copy_stream: Option<Stream>, _sink: &Sink) -> Result<()> {
+            Ok(())
+        }
+        fn arrival_stream(&self) -> Option<Stream> {
+            // SAFETY: the handle only reaches the recording lane, never the driver.
+            Some(unsafe { Stream::from_raw(42) })
+        }
+    }
+
+    #[test]
+    fn a_stage_with_its_own_stream_records_arrival_there() {
+        let rec = Recorder::default();
+        let mut job = Job::new(
+            Source::Host { src: 0, n: 0 },
+            Sink::Slot { slot: 3, dst: 0 },
+        );
+        job.post_copy = Some(Arc::new(OnItsStream));
+        // SAFETY: no copy.
+        unsafe { enqueue(&rec, Part::whole(&job), []) }.unwrap();
+        assert_eq!(rec.ops(), [Op::Wait(3), Op::ArrivedOn(3, 42)]);
     }
 
     #[test]

@@ -420,6 +420,9 @@ impl Transport {
         };
         let _ctx = self.bind()?;
         self.lane.synchronize()?;
+        if let Some(ring) = &self.decoder {
+            ring.synchronize()?;
+        }
         staged?;
         self.errors.check()
     }
