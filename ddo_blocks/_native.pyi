@@ -282,7 +282,9 @@ def plan(
     min_slots: int = 2,
     max_slots: int = 4,
     unit_compute_s: Sequence[float] | None = None,
-) -> Plan: ...
+    link_bytes: Sequence[int] | None = None,
+) -> Plan:
+    """``link_bytes``: per unit, the bytes it sends over the link when streamed (a codec's), if not its size."""
 def plan_ram_cache(
     unit_bytes: Sequence[int],
     *,

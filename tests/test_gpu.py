@@ -120,7 +120,8 @@ def test_out_of_memory_during_setup_restores_the_module():
     used = torch.cuda.memory_reserved()
     torch.cuda.set_per_process_memory_fraction((used + (4 << 20)) / total)  # room for almost nothing
     try:
-        with pytest.raises(ddo_blocks.OffloadMemoryError, match="restored"):
+        # out of memory in the bandwidth probe (first offload of the process) or in the attach
+        with pytest.raises(ddo_blocks.OffloadMemoryError, match="restored|as it was"):
             ddo_blocks.offload(model, vram_budget=None, device="cuda")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

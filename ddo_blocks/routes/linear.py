@@ -99,7 +99,8 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     if coded.check_codec(codec, chosen) != "off":
         return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=coded.CodedSlabs,
                                        loader=req.loader, units=units,
-                                       reserve_bytes=coded.reserve_bytes(req.module, codec, req.device))
+                                       reserve_bytes=coded.reserve_bytes(req.module, codec, req.device),
+                                       link_bytes=coded.link_bytes_estimate)
     return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=stores.HostSlabs,
                                    loader=req.loader, units=units)
 

@@ -36,9 +36,18 @@ def compute_bytes_per_s(device: torch.device, link: float) -> float:
 
 
 def _measure_cuda(device: torch.device) -> float:
+    from ..budget import fmt_bytes
+    from ..errors import OffloadMemoryError
     from .slabs import PinnedBuffer  # exact-size pinning, released after the probe
 
-    dst = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device)
+    try:
+        dst = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError as exc:
+        raise OffloadMemoryError(
+            f"out of GPU memory on {device} for the {fmt_bytes(_PROBE_BYTES)} copy that measures the "
+            "host-to-device bandwidth, before any weight moved: the module is as it was; free GPU memory, or "
+            "set DDO_LINK_GBPS to give the bandwidth and skip the probe"
+        ) from exc
     stream = torch.cuda.current_stream(device)
     with PinnedBuffer(_PROBE_BYTES, device.index or 0) as pinned:
         src = pinned.tensor

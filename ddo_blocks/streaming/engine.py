@@ -46,6 +46,8 @@ class StreamingEngine:
         units: ``auto``, ``block`` or ``child``.
         reserve_bytes: device bytes the store needs beside the slots (the codec's landing buffers),
             taken from the budget before planning.
+        link_bytes: per unit, the bytes a fetch sends over the link, when the store sends fewer than
+            the unit's size (the codec's estimate): the planner schedules with them.
         extra_sections: the route's own report fields (the sdnq route: its packed layers).
     """
 
@@ -54,7 +56,7 @@ class StreamingEngine:
 
     def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device, *,
                  store: Callable[[StreamingEngine], Any], loader: Any = None, units: str = "auto",
-                 reserve_bytes: int = 0, extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None):
+                 reserve_bytes: int = 0, link_bytes: plan.LinkBytes | None = None, extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None):
         self.module = module
         self.preset = preset
         self.budget = budget
@@ -62,7 +64,8 @@ class StreamingEngine:
         self.loader = loader
         self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
         self.reserve_bytes = reserve_bytes
-        self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes)
+        self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes,
+                                     link_bytes)
         self.plan = self.unit_plan.native
         self.granularity = self.unit_plan.granularity
         self.units = self.unit_plan.units

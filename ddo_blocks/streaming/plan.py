@@ -4,6 +4,7 @@ simulator's step time with calibrated compute."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,9 @@ class UnitPlan:
     """Always-resident bytes: parameters outside units and every buffer."""
     native: _native.Plan
     """The planner's result: ``resident`` flags, ``slots``, ``predicted_step_s``, ..."""
+    link_bytes: list[int] | None = None
+    """Bytes each unit sends over the link when streamed, where a codec makes them fewer than
+    ``unit_bytes`` (its estimate before encoding)."""
 
     @property
     def streamed(self) -> list[Unit]:
@@ -55,11 +59,16 @@ def unit_sizes(units: list[Unit]) -> list[int]:
     return [_native.layout_unit([span_nbytes(p) for _, p in u.params]).nbytes for u in units]
 
 
+LinkBytes = Callable[[list[Unit]], list[int]]
+"""Per unit, the bytes it sends over the link when streamed (a codec's estimate)."""
+
+
 def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch.device, link: float,
-          preset: Preset) -> UnitPlan:
+          preset: Preset, link_bytes: LinkBytes | None = None) -> UnitPlan:
     units, leftovers = split_units(module, granularity)
     base = sum(tensor_nbytes(p) for _, p in leftovers) + buffer_bytes(module)
     sizes = unit_sizes(units)
+    sent = link_bytes(units) if link_bytes is not None else None
     native = _native.plan(
         sizes,
         base_bytes=base,
@@ -68,15 +77,17 @@ def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch
         compute_bytes_per_s=bandwidth.compute_bytes_per_s(device, link),
         min_slots=preset.min_slots,
         max_slots=preset.max_slots,
+        link_bytes=sent,
     )
-    return UnitPlan(granularity, units, leftovers, sizes, base, native)
+    return UnitPlan(granularity, units, leftovers, sizes, base, native, sent)
 
 
 def choose(module: nn.Module, budget: int | None, device: torch.device, link: float, preset: Preset,
-           units: str = "auto", reserve: int = 0) -> UnitPlan:
+           units: str = "auto", reserve: int = 0, link_bytes: LinkBytes | None = None) -> UnitPlan:
     """Blocks as units, unless the budget needs smaller units or the planner predicts a clearly
     faster step with each block's children as units (smaller slots leave more budget resident).
-    ``reserve``: device bytes needed beside the weights and slots (a codec's landing buffers)."""
+    ``reserve``: device bytes needed beside the weights and slots (a codec's landing buffers);
+    ``link_bytes``: what each unit sends over the link, when not its size (a codec)."""
     if reserve and budget is not None:
         if budget <= reserve:
             raise BudgetError(
@@ -84,21 +95,22 @@ def choose(module: nn.Module, budget: int | None, device: torch.device, link: fl
                 f"codec needs; pass a larger vram_budget (vram_budget='min' finds the smallest) or codec='off'"
             )
         try:
-            return choose(module, budget - reserve, device, link, preset, units)
+            return choose(module, budget - reserve, device, link, preset, units, link_bytes=link_bytes)
         except BudgetError as exc:
             raise BudgetError(
                 f"{exc} (after the {fmt_bytes(reserve)} of landing buffers the codec needs: add them to the "
                 "budget, or pass codec='off')"
             ) from exc
     if check_granularity(units) != "auto":
-        return _plan(module, units, budget, device, link, preset)
+        return _plan(module, units, budget, device, link, preset, link_bytes)
     try:
-        block = _plan(module, "block", budget, device, link, preset)
+        block = _plan(module, "block", budget, device, link, preset, link_bytes)
     except BudgetError:
-        return _plan(module, "child", budget, device, link, preset)  # its error, if any, names the lower minimum
+        # its error, if any, names the lower minimum
+        return _plan(module, "child", budget, device, link, preset, link_bytes)
     if block.native.slots == 0:
         return block  # everything fits: nothing streams
-    child = _plan(module, "child", budget, device, link, preset)
+    child = _plan(module, "child", budget, device, link, preset, link_bytes)
     if len(child.units) > len(block.units) and child.native.predicted_step_s < 0.97 * block.native.predicted_step_s:
         return child
     return block
@@ -121,6 +133,6 @@ def simulate(unit_plan: UnitPlan, unit_compute_s: list[float], slots: int, link:
     """The simulator's steady step and compute wait for this plan with the given compute times
     (``disk``: which units come from disk and the disk's rate, for the NVMe route)."""
     sim = _native.simulate(
-        unit_plan.unit_bytes, unit_compute_s, unit_plan.native.resident, max(slots, 1), link, 4, *disk,
+        unit_plan.link_bytes or unit_plan.unit_bytes, unit_compute_s, unit_plan.native.resident, max(slots, 1), link, 4, *disk,
     )
     return sim.step_s, sim.compute_wait_s

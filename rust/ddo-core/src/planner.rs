@@ -59,6 +59,10 @@ pub struct PlanRequest {
     pub min_slots: usize,
     /// Most slots a streaming plan may use (`>= min_slots`).
     pub max_slots: usize,
+    /// Bytes each unit sends over the link when streamed, if not `unit_bytes` (a codec sends
+    /// fewer than the slot holds); same length as `unit_bytes`.
+    #[serde(default)]
+    pub link_bytes: Option<Vec<u64>>,
 }
 
 impl PlanRequest {
@@ -74,7 +78,13 @@ impl PlanRequest {
             compute_bytes_per_s,
             min_slots: 2,
             max_slots: 4,
+            link_bytes: None,
         }
+    }
+
+    /// What each unit sends over the link when streamed.
+    pub fn link(&self) -> &[u64] {
+        self.link_bytes.as_deref().unwrap_or(&self.unit_bytes)
     }
 }
 
@@ -223,7 +233,7 @@ pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, usize)> {
                 }
                 simulations += 1;
                 candidate.predicted_step_s = simulate(
-                    &req.unit_bytes,
+                    req.link(),
                     &compute,
                     &candidate.resident,
                     k,
@@ -272,6 +282,14 @@ fn validate(req: &PlanRequest) -> Result<Vec<f64>> {
             "max_slots ({}) is below min_slots ({})",
             req.max_slots, req.min_slots
         ));
+    }
+    if let Some(link) = &req.link_bytes {
+        if link.len() != n {
+            return bad(format!(
+                "link_bytes has {} entries but there are {n} units",
+                link.len()
+            ));
+        }
     }
     match &req.unit_compute_s {
         Some(times) => {
@@ -327,15 +345,17 @@ fn footprint(req: &PlanRequest, resident: Vec<bool>, slots: usize, total_compute
     let mut resident_bytes = req.base_bytes;
     let mut streamed_bytes = 0u64;
     let mut slot_bytes = 0u64;
-    for (&b, &r) in req.unit_bytes.iter().zip(&resident) {
+    let mut link_bytes = 0u64;
+    for ((&b, &l), &r) in req.unit_bytes.iter().zip(req.link()).zip(&resident) {
         if r {
             resident_bytes = resident_bytes.saturating_add(b);
         } else {
             streamed_bytes = streamed_bytes.saturating_add(b);
+            link_bytes = link_bytes.saturating_add(l);
             slot_bytes = slot_bytes.max(b);
         }
     }
-    let bound_s = total_compute.max(streamed_bytes as f64 / req.link_bytes_per_s);
+    let bound_s = total_compute.max(link_bytes as f64 / req.link_bytes_per_s);
     Plan {
         resident,
         slots,

@@ -489,3 +489,33 @@ fn a_slot_count_from_outside_is_bounded() {
     r.max_slots = usize::MAX;
     assert_eq!(plan(&r).unwrap().slots, 2);
 }
+
+#[test]
+fn link_bytes_below_the_slot_size_shorten_the_transfer_bound() {
+    let units = vec![GIB; 8];
+    let budget = Some(3 * GIB);
+    let plain = plan(&req(units.clone(), budget)).unwrap();
+    let coded = plan(&PlanRequest {
+        link_bytes: Some(vec![GIB * 3 / 4; 8]),
+        ..req(units.clone(), budget)
+    })
+    .unwrap();
+    // the same slots and footprint, three quarters of the transfer time
+    assert_eq!(coded.slot_bytes, plain.slot_bytes);
+    assert!(coded.gpu_bytes <= 3 * GIB);
+    assert!(
+        close(coded.bound_s, plain.bound_s * 0.75, 1e-9),
+        "{} vs {}",
+        coded.bound_s,
+        plain.bound_s
+    );
+    assert!(coded.predicted_step_s < plain.predicted_step_s);
+    let wrong = PlanRequest {
+        link_bytes: Some(vec![1; 3]),
+        ..req(units, budget)
+    };
+    assert!(plan(&wrong)
+        .unwrap_err()
+        .to_string()
+        .contains("link_bytes has 3 entries"));
+}

@@ -154,7 +154,7 @@ impl SlabLayout {
 
 /// Plans a component: which units stay resident, how many slots stream the rest.
 #[pyfunction]
-#[pyo3(signature = (unit_bytes, *, base_bytes, budget_bytes, link_bytes_per_s, compute_bytes_per_s, min_slots=2, max_slots=4, unit_compute_s=None))]
+#[pyo3(signature = (unit_bytes, *, base_bytes, budget_bytes, link_bytes_per_s, compute_bytes_per_s, min_slots=2, max_slots=4, unit_compute_s=None, link_bytes=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
     py: Python<'_>,
@@ -166,6 +166,7 @@ fn plan(
     min_slots: usize,
     max_slots: usize,
     unit_compute_s: Option<Vec<f64>>,
+    link_bytes: Option<Vec<u64>>,
 ) -> PyResult<Plan> {
     let req = PlanRequest {
         unit_bytes,
@@ -176,6 +177,7 @@ fn plan(
         compute_bytes_per_s,
         min_slots,
         max_slots,
+        link_bytes,
     };
     let p = py.detach(|| ddo_core::plan(&req)).map_err(core_err)?;
     Ok(p.into())
