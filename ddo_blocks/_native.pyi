@@ -132,6 +132,7 @@ class Transport:
 # the lossless 12-bit code for bf16 (ddo_core::codec)
 CODEC_CHUNK_ELEMS: int
 CODEC_BLOCK: int
+CODEC_SUB_ELEMS: int
 
 class CodedUnit:
     """A unit laid out in coded form: raw pieces and coded chunks, in slot order."""
@@ -147,9 +148,9 @@ class CodedUnit:
     raw_pieces: list[tuple[int, int, int]]
     """``(src, len, dst)`` per raw piece."""
 
-def codec_count_escapes(tensors: Sequence[tuple[int, int]]) -> list[list[int]]:
-    """Escapes per chunk of each ``(address, values)`` bf16 tensor."""
-def layout_coded_unit(tensors: Sequence[tuple[int, int, bool]], escapes: Sequence[Sequence[int]],
+def codec_count_escapes(tensors: Sequence[tuple[int, int]]) -> list[list[list[int]]]:
+    """Escapes of each ``(address, values)`` bf16 tensor, per chunk, per range of ``CODEC_SUB_ELEMS`` values."""
+def layout_coded_unit(tensors: Sequence[tuple[int, int, bool]], escapes: Sequence[Sequence[Sequence[int]]],
                       max_chunk_bytes: int) -> CodedUnit:
     """``tensors``: ``(slot_offset, nbytes, is_bf16)``; ``escapes``: per bf16 tensor, from codec_count_escapes."""
 def codec_encode_unit(unit: CodedUnit, tensors: Sequence[tuple[int, int]], dst: int) -> None: ...

@@ -74,8 +74,16 @@ def landing_bytes(module: nn.Module) -> int:
         return 0
     values = min(largest, _native.CODEC_CHUNK_ELEMS)
     # the layout of a chunk of `values` values with the allowance of escapes (ddo_core::codec)
-    probe = _native.layout_coded_unit([(0, 2 * values, True)], [[values // ESCAPE_ALLOWANCE]], 1 << 62)
+    counts = _zero_counts(values)
+    counts[0][0] = values // ESCAPE_ALLOWANCE
+    probe = _native.layout_coded_unit([(0, 2 * values, True)], [counts], 1 << 62)
     return -(-probe.nbytes // 256) * 256
+
+
+def _zero_counts(values: int) -> list[list[int]]:
+    """Escape counts of a tensor of ``values`` values with no escape: per chunk, per range."""
+    chunk, sub = _native.CODEC_CHUNK_ELEMS, _native.CODEC_SUB_ELEMS
+    return [[0] * -(-min(chunk, values - start) // sub) for start in range(0, values, chunk)]
 
 
 def link_bytes_estimate(units: list[Any]) -> list[int]:
@@ -87,8 +95,7 @@ def link_bytes_estimate(units: list[Any]) -> list[int]:
         for _, p in unit.params:
             values = _bf16_values(p)
             if values >= MIN_CODED_VALUES:
-                chunks = -(-values // _native.CODEC_CHUNK_ELEMS)
-                probe = _native.layout_coded_unit([(0, 2 * values, True)], [[0] * chunks], 1 << 62)
+                probe = _native.layout_coded_unit([(0, 2 * values, True)], [_zero_counts(values)], 1 << 62)
                 total += probe.nbytes
             else:
                 total += span_nbytes(p)

@@ -32,6 +32,9 @@ use crate::error::{CoreError, Result};
 pub const BLOCK: usize = 512;
 /// Most values in one chunk (8 Mi values: 16 MiB of bf16); escape indices fit in 24 bits.
 pub const CHUNK_ELEMS: usize = 1 << 23;
+/// Values a host thread codes at once: a chunk is encoded in parallel in ranges of this many
+/// values, each with its own escape count (a multiple of [`BLOCK`]).
+pub const SUB_ELEMS: usize = 1 << 16;
 /// The code marking an escaped exponent.
 pub const ESCAPE: u8 = 15;
 /// Exponents a block's window covers above code 0.
@@ -99,6 +102,14 @@ pub fn chunks(n: usize) -> impl Iterator<Item = (usize, usize)> {
     })
 }
 
+/// The ranges of a chunk of `n` values that are encoded in parallel: `(first value, values)`.
+pub fn subs(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n.div_ceil(SUB_ELEMS)).map(move |s| {
+        let start = s * SUB_ELEMS;
+        (start, SUB_ELEMS.min(n - start))
+    })
+}
+
 #[inline]
 fn exponent(v: u16) -> u16 {
     (v >> 7) & 0xff
@@ -145,9 +156,119 @@ pub fn count_escapes(values: &[u16]) -> usize {
         .sum()
 }
 
+/// The four sections of a coded chunk's buffer, split for writing.
+pub struct ChunkSections<'a> {
+    /// One base per block.
+    pub bases: &'a mut [u8],
+    /// Sign and mantissa, one byte per value (padding included).
+    pub signs: &'a mut [u8],
+    /// Codes, two per byte (padding included).
+    pub codes: &'a mut [u8],
+    /// Escapes, 4 bytes each.
+    pub escapes: &'a mut [u8],
+}
+
+impl ChunkLayout {
+    /// Splits a buffer of exactly `self.nbytes` bytes into its sections.
+    pub fn split<'a>(&self, out: &'a mut [u8]) -> Result<ChunkSections<'a>> {
+        if out.len() != self.nbytes {
+            return Err(CoreError::InvalidArgument(format!(
+                "a chunk of {} values with {} escapes codes to {} bytes, the buffer has {}",
+                self.n,
+                self.n_esc,
+                self.nbytes,
+                out.len()
+            )));
+        }
+        let (head, escapes) = out.split_at_mut(self.escapes);
+        let (head, codes) = head.split_at_mut(self.codes);
+        let (bases, signs) = head.split_at_mut(self.signs);
+        Ok(ChunkSections {
+            bases,
+            signs,
+            codes,
+            escapes,
+        })
+    }
+}
+
+/// Codes the values `first..first + values.len()` of a chunk (`first` a multiple of [`BLOCK`])
+/// into their parts of the chunk's sections: `bases` (one per block), `signs` (one per value),
+/// `codes` (one per two values) and `escapes` (4 bytes per escape of these values, exactly as many
+/// as [`count_escapes`] counts). A different number of escapes is an error (the values changed
+/// since they were counted). Ranges of one chunk can be coded in parallel.
+pub fn encode_range(
+    values: &[u16],
+    first: usize,
+    bases: &mut [u8],
+    signs: &mut [u8],
+    codes: &mut [u8],
+    escapes: &mut [u8],
+) -> Result<()> {
+    let n = values.len();
+    let bad = |what: &str| {
+        Err(CoreError::InvalidArgument(format!(
+            "encode_range of {n} values: {what}"
+        )))
+    };
+    if !first.is_multiple_of(BLOCK) {
+        return bad("the first value must start a block");
+    }
+    if bases.len() != n.div_ceil(BLOCK) || signs.len() != n || codes.len() != n.div_ceil(2) {
+        return bad("section slices of the wrong length");
+    }
+    if !escapes.len().is_multiple_of(4) || first + n > (1 << 24) {
+        return bad("escapes must be 4 bytes each and indices below 2^24");
+    }
+    let n_esc = escapes.len() / 4;
+    let mut block_code = [0u8; BLOCK];
+    let mut written = 0usize;
+    for (b, block) in values.chunks(BLOCK).enumerate() {
+        let (base, esc) = block_codes(block, &mut block_code);
+        bases[b] = base as u8;
+        let at = b * BLOCK;
+        let len = block.len();
+        for (s, &v) in signs[at..at + len].iter_mut().zip(block) {
+            *s = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
+        }
+        for (byte, pair) in codes[at / 2..at / 2 + len / 2]
+            .iter_mut()
+            .zip(block_code[..len].chunks_exact(2))
+        {
+            *byte = pair[0] | (pair[1] << 4);
+        }
+        if len % 2 == 1 {
+            codes[(at + len) / 2] = block_code[len - 1];
+        }
+        if esc == 0 {
+            continue;
+        }
+        if written + esc > n_esc {
+            return Err(CoreError::InvalidArgument(format!(
+                "values {first}.. have more than the {n_esc} escapes counted: they changed while they were coded"
+            )));
+        }
+        for (k, _) in block_code[..len]
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c == ESCAPE)
+        {
+            let entry = (((first + at + k) as u32) << 8) | u32::from(exponent(block[k]));
+            escapes[4 * written..4 * written + 4].copy_from_slice(&entry.to_le_bytes());
+            written += 1;
+        }
+    }
+    if written != n_esc {
+        return Err(CoreError::InvalidArgument(format!(
+            "values {first}.. have {written} escapes, {n_esc} were counted: they changed while they were coded"
+        )));
+    }
+    Ok(())
+}
+
 /// Codes one chunk of `values` (at most [`CHUNK_ELEMS`]) with `n_esc` escapes (from
 /// [`count_escapes`]) into `out`, which must be exactly [`chunk_layout`]`(values.len(), n_esc).nbytes`
-/// bytes. A different number of escapes is an error (the values changed since they were counted).
+/// bytes, on the calling thread.
 pub fn encode_chunk(values: &[u16], n_esc: usize, out: &mut [u8]) -> Result<()> {
     let n = values.len();
     if n > CHUNK_ELEMS {
@@ -156,64 +277,31 @@ pub fn encode_chunk(values: &[u16], n_esc: usize, out: &mut [u8]) -> Result<()> 
         )));
     }
     let lay = chunk_layout(n, n_esc);
-    if out.len() != lay.nbytes {
-        return Err(CoreError::InvalidArgument(format!(
-            "a chunk of {n} values with {n_esc} escapes codes to {} bytes, the buffer has {}",
-            lay.nbytes,
-            out.len()
-        )));
-    }
-    let (head, esc_bytes) = out.split_at_mut(lay.escapes);
-    let (head, code_bytes) = head.split_at_mut(lay.codes);
-    let (base_bytes, sign_bytes) = head.split_at_mut(lay.signs);
-    base_bytes.fill(0);
-    sign_bytes[n..].fill(0);
-    code_bytes[n / 2..].fill(0);
-    esc_bytes.fill(0);
-    let mut codes = [0u8; BLOCK];
-    let mut written = 0usize;
-    for (b, block) in values.chunks(BLOCK).enumerate() {
-        let (base, escapes) = block_codes(block, &mut codes);
-        base_bytes[b] = base as u8;
-        let first = b * BLOCK;
-        for (s, &v) in sign_bytes[first..first + block.len()].iter_mut().zip(block) {
-            *s = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
-        }
-        let len = block.len();
-        for (byte, pair) in code_bytes[first / 2..first / 2 + len / 2]
-            .iter_mut()
-            .zip(codes[..len].chunks_exact(2))
-        {
-            *byte = pair[0] | (pair[1] << 4);
-        }
-        if len % 2 == 1 {
-            code_bytes[(first + len) / 2] = codes[len - 1];
-        }
-        if escapes == 0 {
-            continue;
-        }
-        if written + escapes > n_esc {
-            return Err(CoreError::InvalidArgument(format!(
-                "the chunk has more than the {n_esc} escapes counted: its values changed while it was coded"
-            )));
-        }
-        for (k, _) in codes[..len]
-            .iter()
-            .enumerate()
-            .filter(|(_, &c)| c == ESCAPE)
-        {
-            let i = first + k;
-            let entry = ((i as u32) << 8) | u32::from(exponent(block[k]));
-            esc_bytes[4 * written..4 * written + 4].copy_from_slice(&entry.to_le_bytes());
-            written += 1;
-        }
-    }
-    if written != n_esc {
-        return Err(CoreError::InvalidArgument(format!(
-            "the chunk has {written} escapes, {n_esc} were counted: its values changed while it was coded"
-        )));
-    }
-    Ok(())
+    let sec = lay.split(out)?;
+    zero_padding(&lay, sec.bases, sec.signs, sec.codes, sec.escapes);
+    let nb = n.div_ceil(BLOCK);
+    encode_range(
+        values,
+        0,
+        &mut sec.bases[..nb],
+        &mut sec.signs[..n],
+        &mut sec.codes[..n.div_ceil(2)],
+        &mut sec.escapes[..4 * n_esc],
+    )
+}
+
+/// Zeroes the bytes of a chunk's sections that no value writes (alignment padding).
+pub fn zero_padding(
+    lay: &ChunkLayout,
+    bases: &mut [u8],
+    signs: &mut [u8],
+    codes: &mut [u8],
+    escapes: &mut [u8],
+) {
+    bases[lay.n.div_ceil(BLOCK)..].fill(0);
+    signs[lay.n..].fill(0);
+    codes[lay.n.div_ceil(2)..].fill(0);
+    escapes[4 * lay.n_esc..].fill(0);
 }
 
 fn corrupt(msg: String) -> CoreError {
@@ -320,6 +408,8 @@ pub enum PieceKind {
         values: usize,
         /// Escapes in the chunk.
         escapes: usize,
+        /// Escapes of each of its [`subs`] (they add up to `escapes`).
+        sub_escapes: Vec<usize>,
     },
 }
 
@@ -373,13 +463,14 @@ impl CodedUnit {
     }
 }
 
-/// Lays out a unit in coded form. `escapes[t]` lists, for bf16 tensor `t`, the escapes of each of
-/// its [`chunks`] (from [`count_escapes`]); it is ignored for the others. A chunk is coded when
+/// Lays out a unit in coded form. `escapes[t]` lists, for bf16 tensor `t`, for each of its
+/// [`chunks`], the escapes of each of the chunk's [`subs`] (from [`count_escapes`]); it is ignored
+/// for the others. A chunk is coded when
 /// [`worth_coding`] with `max_chunk_bytes` (the landing buffer), raw otherwise. Raw bytes of
 /// neighbouring tensors less than [`RAW_MERGE_GAP`] apart in the slot share one piece.
 pub fn layout_coded_unit(
     tensors: &[TensorSpec],
-    escapes: &[Vec<usize>],
+    escapes: &[Vec<Vec<usize>>],
     max_chunk_bytes: usize,
 ) -> Result<CodedUnit> {
     if escapes.len() != tensors.len() {
@@ -453,8 +544,16 @@ pub fn layout_coded_unit(
                 counts.len()
             )));
         }
-        for ((first, values), &n_esc) in chunks(spec.nbytes / 2).zip(counts) {
+        for ((first, values), sub_escapes) in chunks(spec.nbytes / 2).zip(counts) {
             let dst = spec.dst + 2 * first;
+            if sub_escapes.len() != subs(values).count() {
+                return Err(CoreError::InvalidArgument(format!(
+                    "a chunk of {values} values of tensor {t} has {} ranges but {} escape counts",
+                    subs(values).count(),
+                    sub_escapes.len()
+                )));
+            }
+            let n_esc = sub_escapes.iter().sum();
             if worth_coding(values, n_esc, max_chunk_bytes) {
                 let len = chunk_layout(values, n_esc).nbytes;
                 let src = end
@@ -466,6 +565,7 @@ pub fn layout_coded_unit(
                         first_value: first,
                         values,
                         escapes: n_esc,
+                        sub_escapes: sub_escapes.clone(),
                     },
                     src,
                     len,
@@ -670,7 +770,7 @@ mod tests {
             t(20_480, 64, false),
             t(20_736, 40, true),
         ];
-        let escapes = vec![vec![3], vec![], vec![], vec![40]];
+        let escapes = vec![vec![vec![3]], vec![], vec![], vec![vec![40]]];
         let unit = layout_coded_unit(&tensors, &escapes, usize::MAX).unwrap();
         assert_eq!(unit.pieces.len(), 2, "{:?}", unit.pieces);
         let coded = &unit.pieces[0];
@@ -680,7 +780,8 @@ mod tests {
                 tensor: 0,
                 first_value: 0,
                 values: 10_000,
-                escapes: 3
+                escapes: 3,
+                sub_escapes: vec![3],
             }
         );
         assert_eq!(coded.len, chunk_layout(10_000, 3).nbytes);
@@ -710,13 +811,15 @@ mod tests {
             nbytes: 11,
             bf16: true,
         };
-        assert!(layout_coded_unit(&[t], &[vec![0]], usize::MAX).is_err());
+        assert!(layout_coded_unit(&[t], &[vec![vec![0]]], usize::MAX).is_err());
         let t = TensorSpec {
             dst: 0,
             nbytes: 10,
             bf16: true,
         };
         assert!(layout_coded_unit(&[t], &[vec![]], usize::MAX).is_err());
+        // one range, two counts
+        assert!(layout_coded_unit(&[t], &[vec![vec![0, 0]]], usize::MAX).is_err());
         assert!(layout_coded_unit(&[t], &[], usize::MAX).is_err());
         assert_eq!(
             layout_coded_unit(&[], &[], usize::MAX).unwrap(),

@@ -132,29 +132,45 @@ pub unsafe fn launch_decode(
     unsafe { kernel.launch(config, stream, &args) }
 }
 
-/// Escape counts of every chunk of every `(address, values)` bf16 tensor, in parallel.
+/// Escape counts of every `(address, values)` bf16 tensor: per chunk, per range of the chunk
+/// ([`codec::subs`]), all ranges of all tensors in parallel.
 ///
 /// # Safety
 /// Each address holds `values` readable `u16`s (2-byte aligned), not written during the call.
-pub unsafe fn count_escapes_many(tensors: &[(usize, usize)]) -> Result<Vec<Vec<usize>>> {
+pub unsafe fn count_escapes_many(tensors: &[(usize, usize)]) -> Result<Vec<Vec<Vec<usize>>>> {
     for &(ptr, values) in tensors {
         check_values("escape count source", ptr, values)?;
     }
-    Ok(tensors
-        .par_iter()
-        .map(|&(ptr, values)| {
+    // every (tensor, chunk, range) as one task
+    let tasks: Vec<(usize, usize, usize, usize)> = tensors
+        .iter()
+        .enumerate()
+        .flat_map(|(t, &(_, values))| {
             codec::chunks(values)
-                .collect::<Vec<_>>()
-                .into_par_iter()
-                .map(|(first, n)| {
-                    // SAFETY: the caller guarantees `values` readable u16s at `ptr`.
-                    let v =
-                        unsafe { std::slice::from_raw_parts((ptr as *const u16).add(first), n) };
-                    codec::count_escapes(v)
+                .enumerate()
+                .flat_map(move |(c, (first, n))| {
+                    codec::subs(n).map(move |(s, len)| (t, c, first + s, len))
                 })
-                .collect()
         })
-        .collect())
+        .collect();
+    let counts: Vec<usize> = tasks
+        .par_iter()
+        .map(|&(t, _, first, len)| {
+            // SAFETY: the caller guarantees `values` readable u16s at the tensor's address, and
+            // the range lies inside them.
+            let v =
+                unsafe { std::slice::from_raw_parts((tensors[t].0 as *const u16).add(first), len) };
+            codec::count_escapes(v)
+        })
+        .collect();
+    let mut out: Vec<Vec<Vec<usize>>> = tensors
+        .iter()
+        .map(|&(_, values)| vec![Vec::new(); codec::chunks(values).count()])
+        .collect();
+    for (&(t, c, _, _), n) in tasks.iter().zip(counts) {
+        out[t][c].push(n);
+    }
+    Ok(out)
 }
 
 fn check_values(what: &str, ptr: usize, values: usize) -> Result<()> {
@@ -228,13 +244,71 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
             "a piece runs past the coded unit".into(),
         ));
     }
-    unit.pieces.par_iter().try_for_each(|p| {
-        // SAFETY: pieces are disjoint ranges of `dst`'s `unit.nbytes` bytes (checked above).
-        let out = unsafe { std::slice::from_raw_parts_mut((dst + p.src) as *mut u8, p.len) };
+    // tasks: every raw piece, the padding of every coded chunk, every range of every coded chunk
+    enum Task<'a> {
+        Raw(&'a codec::Piece, &'a [codec::Segment]),
+        Padding(&'a codec::Piece, codec::ChunkLayout),
+        /// `len` values from `first` of the chunk, whose `n_esc` escapes follow the chunk's first `esc`.
+        Range {
+            piece: &'a codec::Piece,
+            tensor: usize,
+            from: usize,
+            lay: codec::ChunkLayout,
+            first: usize,
+            len: usize,
+            esc: usize,
+            n_esc: usize,
+        },
+    }
+    let mut tasks = Vec::new();
+    for p in &unit.pieces {
         match &p.kind {
-            PieceKind::Raw(segs) => {
+            PieceKind::Raw(segs) => tasks.push(Task::Raw(p, segs)),
+            PieceKind::Coded {
+                tensor,
+                first_value,
+                values,
+                escapes,
+                sub_escapes,
+            } => {
+                let lay = codec::chunk_layout(*values, *escapes);
+                if lay.nbytes != p.len || sub_escapes.iter().sum::<usize>() != *escapes {
+                    return Err(CudaError::InvalidArgument(
+                        "a coded piece does not match its layout".into(),
+                    ));
+                }
+                tasks.push(Task::Padding(p, lay));
+                let mut esc = 0;
+                for ((first, len), &n) in codec::subs(*values).zip(sub_escapes) {
+                    tasks.push(Task::Range {
+                        piece: p,
+                        tensor: *tensor,
+                        from: *first_value,
+                        lay,
+                        first,
+                        len,
+                        esc,
+                        n_esc: n,
+                    });
+                    esc += n;
+                }
+            }
+        }
+    }
+    tasks.par_iter().try_for_each(|task| {
+        // every task writes a range of `dst` no other task writes (pieces are disjoint; inside a
+        // chunk the ranges own disjoint blocks, values, code bytes and escapes; the padding task
+        // owns the bytes no value writes)
+        let bytes = |off: usize, len: usize| {
+            // SAFETY: each range lies inside the unit's `unit.nbytes` bytes at `dst` (checked
+            // above) and is written by this task only.
+            unsafe { std::slice::from_raw_parts_mut((dst + off) as *mut u8, len) }
+        };
+        match task {
+            Task::Raw(p, segs) => {
+                let out = bytes(p.src, p.len);
                 out.fill(0);
-                for s in segs {
+                for s in segs.iter() {
                     // SAFETY: the segment lies in its tensor (checked above).
                     let src = unsafe {
                         std::slice::from_raw_parts(
@@ -246,21 +320,54 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                 }
                 Ok(())
             }
-            PieceKind::Coded {
+            Task::Padding(p, lay) => {
+                let n = lay.n;
+                let base = p.src;
+                bytes(
+                    base + n.div_ceil(codec::BLOCK),
+                    lay.signs - n.div_ceil(codec::BLOCK),
+                )
+                .fill(0);
+                bytes(base + lay.signs + n, lay.codes - lay.signs - n).fill(0);
+                bytes(
+                    base + lay.codes + n.div_ceil(2),
+                    lay.escapes - lay.codes - n.div_ceil(2),
+                )
+                .fill(0);
+                bytes(
+                    base + lay.escapes + 4 * lay.n_esc,
+                    lay.nbytes - lay.escapes - 4 * lay.n_esc,
+                )
+                .fill(0);
+                Ok(())
+            }
+            Task::Range {
+                piece,
                 tensor,
-                first_value,
-                values,
-                escapes,
+                from,
+                lay,
+                first,
+                len,
+                esc,
+                n_esc,
             } => {
                 // SAFETY: the chunk lies in its tensor (checked above); bf16 data is 2-aligned.
                 let v = unsafe {
                     std::slice::from_raw_parts(
-                        (tensors[*tensor].0 as *const u16).add(*first_value),
-                        *values,
+                        (tensors[*tensor].0 as *const u16).add(from + first),
+                        *len,
                     )
                 };
-                codec::encode_chunk(v, *escapes, out)
-                    .map_err(|e| CudaError::InvalidArgument(format!("tensor {tensor}: {e}")))
+                let base = piece.src;
+                codec::encode_range(
+                    v,
+                    *first,
+                    bytes(base + first / codec::BLOCK, len.div_ceil(codec::BLOCK)),
+                    bytes(base + lay.signs + first, *len),
+                    bytes(base + lay.codes + first / 2, len.div_ceil(2)),
+                    bytes(base + lay.escapes + 4 * esc, 4 * *n_esc),
+                )
+                .map_err(|e| CudaError::InvalidArgument(format!("tensor {tensor}: {e}")))
             }
         }
     })
@@ -298,6 +405,7 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
                 first_value,
                 values,
                 escapes,
+                ..
             } => {
                 // SAFETY: the chunk lies in its tensor, which no other piece writes there.
                 let out = unsafe {
@@ -607,7 +715,7 @@ mod tests {
             nbytes: 200,
             bf16: true,
         }];
-        let unit = layout_coded_unit(&specs, &[vec![0]], usize::MAX).unwrap();
+        let unit = layout_coded_unit(&specs, &[vec![vec![0]]], usize::MAX).unwrap();
         let mut host = vec![0u8; unit.nbytes];
         // a tensor shorter than its pieces, or missing: refused before any write
         let short = [(a.as_ptr() as usize, 100)];

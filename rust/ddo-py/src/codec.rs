@@ -76,9 +76,13 @@ impl CodedUnit {
     }
 }
 
-/// Escape counts per chunk of each `(address, values)` bf16 tensor, in parallel, GIL released.
+/// Escape counts of each `(address, values)` bf16 tensor, per chunk, per range of the chunk
+/// (`CODEC_SUB_ELEMS` values), in parallel, GIL released.
 #[pyfunction]
-fn codec_count_escapes(py: Python<'_>, tensors: Vec<(usize, usize)>) -> PyResult<Vec<Vec<usize>>> {
+fn codec_count_escapes(
+    py: Python<'_>,
+    tensors: Vec<(usize, usize)>,
+) -> PyResult<Vec<Vec<Vec<usize>>>> {
     // SAFETY: the caller (streaming/coded.py) passes data pointers and element counts of
     // contiguous bf16 CPU storage it holds during the call; null and wrapping ranges are refused.
     py.detach(|| unsafe { ddo_cuda::codec::count_escapes_many(&tensors) })
@@ -90,7 +94,7 @@ fn codec_count_escapes(py: Python<'_>, tensors: Vec<(usize, usize)>) -> PyResult
 #[pyfunction]
 fn layout_coded_unit(
     tensors: Vec<(usize, usize, bool)>,
-    escapes: Vec<Vec<usize>>,
+    escapes: Vec<Vec<Vec<usize>>>,
     max_chunk_bytes: usize,
 ) -> PyResult<CodedUnit> {
     let specs: Vec<TensorSpec> = tensors
@@ -165,6 +169,7 @@ fn codec_decode_device(
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CODEC_CHUNK_ELEMS", codec::CHUNK_ELEMS)?;
     m.add("CODEC_BLOCK", codec::BLOCK)?;
+    m.add("CODEC_SUB_ELEMS", codec::SUB_ELEMS)?;
     m.add_class::<CodedUnit>()?;
     m.add_function(wrap_pyfunction!(codec_count_escapes, m)?)?;
     m.add_function(wrap_pyfunction!(layout_coded_unit, m)?)?;
