@@ -137,16 +137,23 @@ CODEC_SUB_ELEMS: int
 class CodedUnit:
     """A unit laid out in coded form: raw pieces and coded chunks, in slot order."""
 
-    nbytes: int
-    """Bytes of the host buffer: what one fetch sends over the link."""
-    out_bytes: int
-    largest_coded: int
-    coded_values: int
-    escapes: int
-    coded_pieces: list[tuple[int, int, int, int, int]]
-    """``(src, len, dst, values, escapes)`` per coded chunk."""
-    raw_pieces: list[tuple[int, int, int]]
-    """``(src, len, dst)`` per raw piece."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the host buffer: what one fetch sends over the link."""
+    @property
+    def out_bytes(self) -> int: ...
+    @property
+    def largest_coded(self) -> int: ...
+    @property
+    def coded_values(self) -> int: ...
+    @property
+    def escapes(self) -> int: ...
+    @property
+    def coded_pieces(self) -> list[tuple[int, int, int, int, int]]:
+        """``(src, len, dst, values, escapes)`` per coded chunk."""
+    @property
+    def raw_pieces(self) -> list[tuple[int, int, int]]:
+        """``(src, len, dst)`` per raw piece."""
 
 def codec_count_escapes(tensors: Sequence[tuple[int, int]]) -> list[list[list[int]]]:
     """Escapes of each ``(address, values)`` bf16 tensor, per chunk, per range of ``CODEC_SUB_ELEMS`` values."""

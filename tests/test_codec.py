@@ -170,3 +170,49 @@ def test_landing_buffers_are_sized_for_the_largest_chunk():
     assert coded.reserve_bytes(model, "fixed", torch.device("cpu")) == 0
     assert coded.reserve_bytes(model, "off", torch.device("cuda")) == 0
     assert coded.landing_bytes(tiny_flux_transformer()) == 0  # nothing in bf16
+
+
+def test_from_pretrained_codes_the_weights_straight_from_the_files(tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    model = bf16_flux()
+    model.save_pretrained(tmp_path / "m")
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, tmp_path / "m", vram_budget="min", device="cpu",
+                                        codec="fixed", progress=False)
+    with torch.no_grad():
+        assert torch.equal(handle.module(**x)[0], ref)
+    c = handle.report()["codec"]
+    assert c["coded_bytes"] > 0 and c["ratio"] < 0.8
+    handle.remove()
+    for (n, p), (_, q) in zip(handle.module.named_parameters(), model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_offload_pipeline_and_the_cli_take_the_codec(tmp_path):
+    import subprocess
+    import sys
+
+    from diffusers import FluxPipeline
+
+    from ddo_blocks.tiny_pipeline import ensure_tiny_model, load_components
+
+    pipe = FluxPipeline(**load_components(ensure_tiny_model("flux")))
+
+    def image():
+        with torch.no_grad():
+            return pipe("a cat", num_inference_steps=2, height=32, width=32, output_type="pt",
+                        generator=torch.Generator().manual_seed(0)).images
+
+    ref = image()
+    with ddo_blocks.offload_pipeline(pipe, device="cpu", transformer={"vram_budget": "min", "codec": "fixed"}) as off:
+        assert torch.equal(image(), ref)
+        assert off.report()["transformer"]["codec"]["codec"] == "fixed"
+    out = subprocess.run([sys.executable, "-m", "ddo_blocks", "run", "--device", "cpu", "--denoise-codec", "fixed",
+                          "--denoise-budget", "min", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "output equals the same pipeline without offloading: yes" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "ddo_blocks", "run", "--device", "cpu", "--denoise-codec", "zstd"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice: 'zstd'" in bad.stderr

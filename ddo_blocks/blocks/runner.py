@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
                        help="VRAM budget per component for the linear route, e.g. 6GiB, or 'min' for the "
                             "smallest plan: the always-resident weights plus two slots of the largest unit "
                             "(blocks or their children, whichever needs less)")
+        g.add_argument(f"--{flag}-codec", dest=f"{stage}_codec", default=None, choices=("off", "fixed"),
+                       help="lossless compressed transfer for the linear route: fixed = bf16 weights sent at 12 bits "
+                            "and decoded on the GPU (default: off)")
         if stage != "denoise":
             g.add_argument(f"--{flag}-offload-type", dest=f"{stage}_offload_type", default=None,
                            choices=("leaf_level", "block_level"),
@@ -89,11 +92,11 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
     p.add_argument("--out", default="outputs", help=f"where the {output} and report JSON go (default: outputs/)")
 
 
-def minimum_budget(module: torch.nn.Module) -> int:
+def minimum_budget(module: torch.nn.Module, codec: str = "off") -> int:
     """The smallest linear-route budget for ``module`` (see :func:`ddo_blocks.minimum_budget`)."""
     from ..api import minimum_budget as api_minimum_budget
 
-    return api_minimum_budget(module)
+    return api_minimum_budget(module, codec=codec)
 
 
 def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks: Any) -> dict[str, Any]:
@@ -108,6 +111,7 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
         preset = getattr(args, f"{stage}_preset", None)
         budget = getattr(args, f"{stage}_budget", None)
         offload_type = getattr(args, f"{stage}_offload_type", None)
+        codec = getattr(args, f"{stage}_codec", None)
         if use_job and route is None:
             route = job.routes.get(stage)
             preset = preset if preset is not None else job.presets.get(stage)
@@ -116,7 +120,7 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
             streaming = ", ".join(n for n, spec in routes.REGISTRY.items() if spec.streams)
             raise ConfigError(f"--{stage.replace('_', '-')}-budget min applies to the routes that stream "
                               f"({streaming}); route {route!r} was asked")
-        if route is None and preset is None and budget is None and offload_type is None:
+        if route is None and preset is None and budget is None and offload_type is None and codec is None:
             continue
         policy: dict[str, Any] = {}
         if route is not None:
@@ -127,13 +131,15 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
             policy["offload_type"] = offload_type
             if offload_type == "block_level":
                 policy["num_blocks_per_group"] = 1  # block_level needs it; the command line has no option for it
+        if codec is not None:
+            policy["codec"] = codec
         if budget is not None:
             if budget == "min":
                 from .block import module_components
 
                 names = module_components(blocks.sub_blocks[stage])
-                policy = {c: {**policy, "vram_budget": minimum_budget(components[c])} for c in names
-                          if c in components}
+                policy = {c: {**policy, "vram_budget": minimum_budget(components[c], codec or "off")}
+                          for c in names if c in components}
             else:
                 policy["vram_budget"] = budget
         out[stage] = policy
