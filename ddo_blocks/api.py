@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from . import _native, env, routes
+from .autobudget import AutoBudget
 from .budget import parse_bytes
-from .errors import ConfigError, CudaNotAvailableError, OffloadStateError
+from .errors import ConfigError, CudaNotAvailableError, DdoError, OffloadStateError
 from .report import Report, build_report
 from .routes.spec import Engine, EngineRequest, Preset, UnitInfo
 from .streaming import guards
@@ -71,6 +72,8 @@ class OffloadHandle:
         self.device = device
         self._removed = False
         self._guard: guards.ConversionGuard | None = None
+        self.auto: AutoBudget | None = None
+        """The ``vram_budget="auto"`` state (what was measured and chosen), or None."""
 
     @property
     def removed(self) -> bool:
@@ -92,6 +95,49 @@ class OffloadHandle:
     def report(self) -> Report:
         """The measured record of this offload (see ``ddo_blocks.report``)."""
         return build_report(self)
+
+    # -- vram_budget="auto" ---------------------------------------------------------------------------
+    def _auto_budget(self, auto: AutoBudget, spec: routes.RouteSpec, options: dict[str, Any]) -> None:
+        """Measures the first call's activations and re-plans once after it (``autobudget``)."""
+        self.auto = auto
+        self._rebuild = (spec, dict(options))
+        if spec.needs_files:
+            auto.done = True  # re-planning would read every disk unit back into RAM
+            auto.reason = f"route {spec.name!r} reads weights from files: the first budget stays"
+            return
+        self._wire_auto()
+
+    def _wire_auto(self) -> None:
+        engine, auto = self.engine, self.auto
+        if not hasattr(engine, "after_entry_call") or auto.done:
+            return
+        engine.on_call_start = auto.peak.start
+        engine.after_entry_call = self._after_first_call
+
+    def _after_first_call(self) -> None:
+        engine, auto = self.engine, self.auto
+        engine.on_call_start = engine.after_entry_call = None
+        new = auto.decide()
+        if new is None:
+            return
+        spec, options = self._rebuild
+        old_budget = self.vram_budget
+        engine.detach()  # the call is done; the module is back where it was
+        try:
+            chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, new, self.device,
+                                                       dict(options), None))
+            fresh.attach()
+        except DdoError as exc:  # the first budget worked: attach it again
+            auto.reason += f"; attaching at {new} bytes failed ({exc}), the first budget was attached again"
+            log.warning("ddo_blocks: %s: %s", self.component, auto.reason)
+            chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, old_budget, self.device,
+                                                       dict(options), None))
+            fresh.attach()
+            self.engine = fresh
+            return
+        self.engine, self.preset, self.vram_budget = fresh, chosen, new
+        auto.replanned_bytes = new
+        log.info("ddo_blocks: %s: vram_budget='auto' %s", self.component, auto.reason)
 
     def remove(self) -> None:
         """Removes the offload and restores the module.
@@ -162,8 +208,10 @@ def offload(
             already loaded raises ``ConfigError``). ``python -m ddo_blocks presets`` lists them.
         preset: the route's policy; ``"auto"`` chooses.
         vram_budget: bytes or a string such as ``"6GiB"`` for the component's weights on the device
-            (activations come on top); ``"min"``: the smallest plan (streaming routes). ``None``: no
-            limit (everything resident).
+            (activations come on top); ``"min"``: the smallest plan (streaming routes); ``"auto"``: half
+            the device's free memory, then, after the first call, what its activations leave
+            (``ddo_blocks.autobudget``; the report's ``auto_budget`` section). ``None``: no limit
+            (everything resident).
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (the same engine, slots in host memory).
         component: a name for reports, e.g. ``"transformer"``.
         **options: the route's own options (e.g. ``offload_type`` for the diffusers route,
@@ -187,8 +235,9 @@ def offload(
         conflict = guards.foreign_offload(module)
         if conflict is not None:
             raise OffloadStateError(f"{type(module).__name__} {conflict}")
-    budget = _budget(vram_budget, module, spec, options)
     dev = resolve_device(device)
+    auto = _auto_budget(module, spec, options, dev) if vram_budget == "auto" else None
+    budget = auto.first_bytes if auto is not None else _budget(vram_budget, module, spec, options)
     if next(module.parameters(), None) is None:
         raise ConfigError(
             f"{type(module).__name__} has no parameters: there is nothing to offload; use route='off'"
@@ -204,6 +253,8 @@ def offload(
     engine.attach()
     handle = OffloadHandle(module, engine, route=spec.name, preset=chosen, requested=preset, component=component,
                            vram_budget=budget, device=dev)
+    if auto is not None:
+        handle._auto_budget(auto, spec, options)
     setattr(module, _ATTR, handle)
     if getattr(engine, "owns_placement", False):
         handle._guard = guards.ConversionGuard(module, dev, lambda: repr(handle))
@@ -211,6 +262,15 @@ def offload(
     log.info("offloaded %s: route=%s preset=%s (asked %s), vram_budget=%s, on %s in %.2f s", handle.component,
              spec.name, chosen.name, preset, "none" if budget is None else f"{budget} bytes", dev, engine.setup_s)
     return handle
+
+
+def _auto_budget(module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any],
+                 dev: torch.device) -> AutoBudget:
+    if not spec.streams:
+        raise ConfigError(f"vram_budget='auto' picks the budget of a route that streams; route {spec.name!r} does "
+                          "not stream: pass bytes, a size such as '6GiB', or None")
+    minimum = minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
+    return AutoBudget.at_attach(dev, minimum, type(module).__name__)
 
 
 def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any]) -> int | None:
@@ -327,9 +387,12 @@ def enable_offload(
     device: str | torch.device | None = None,
 ) -> OffloadResult:
     """The original DDO's entry point: ``enable_offload(transformer, preset="auto",
-    component="transformer").module``. The VRAM budget defaults to ``DDO_VRAM_BUDGET`` if set.
+    component="transformer").module``. The VRAM budget defaults to ``DDO_VRAM_BUDGET`` if set, else
+    to ``"auto"`` on a route that streams (the budget picks itself from the free device memory).
     """
     budget = vram_budget if vram_budget is not None else env.size("DDO_VRAM_BUDGET")
+    if budget is None and routes.get(route).streams:
+        budget = "auto"
     handle = offload(module, route=route, preset=preset, vram_budget=budget,
                      device=device if device is not None else "cuda", component=component)
     return OffloadResult(module=handle.module, handle=handle)

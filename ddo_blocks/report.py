@@ -41,7 +41,7 @@ class Report:
     def rows(self) -> list[tuple[str, str, str]]:
         """(section, field, value) rows with units, in display order."""
         out: list[tuple[str, str, str]] = []
-        for section in ("plan", "setup", "runtime", "memory", "codec", "roofline"):
+        for section in ("plan", "setup", "runtime", "memory", "codec", "roofline", "auto_budget"):
             for key, value in self.data.get(section, {}).items():
                 out.append((section, key, _fmt(key, value)))
         return out
@@ -226,5 +226,8 @@ def build_report(handle: OffloadHandle) -> Report:
             sections.setdefault(section, {}).update(fields)
         else:  # a list, such as the per-call timeline
             sections[section] = fields
+    auto = getattr(handle, "auto", None)
+    if auto is not None:
+        sections["auto_budget"] = auto.section()
     data.update(sections)
     return Report(data)

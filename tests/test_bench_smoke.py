@@ -233,3 +233,12 @@ def test_nvme_cgroup_stats_read_v2_and_v1_files(tmp_path):
     (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
     assert cgroup_stats(v1) == {"max": 3, "oom_kill": 2, "peak_bytes": 373018624}
     assert cgroup_stats(tmp_path / "missing") == {}
+
+
+def test_auto_budget_benchmark_runs_on_the_cpu(tmp_path):
+    _run(["-m", "benchmarks.auto_budget", "--device", "cpu", "--tiny", "--resolutions", "128", "--repeats", "1",
+          "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "auto_budget.json").read_text())
+    (row,) = doc["rows"]
+    assert row["status"] == "ok" and row["exact"] and row["first_budget_bytes"] > 0
+    assert "no activation peak" in row["reason"]  # the CPU engine has none to measure

@@ -144,3 +144,27 @@ def test_warm_process_reuse_on_cuda():
     with torch.no_grad():
         assert torch.equal(model(**x)[0], ref)
     handle.remove()
+
+
+def test_auto_budget_on_a_card_the_model_does_not_fit():
+    model = medium_flux()
+    x = flux_inputs(model, height=16, width=16, text_len=32, device="cuda")
+    ref, activations = _resident_reference(model, x)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    keep = int(0.6 * weights) + activations + (512 << 20)  # a card with room for 60 % of the weights
+    blocker = torch.empty(free - keep, dtype=torch.uint8, device="cuda")
+    try:
+        handle = ddo_blocks.offload(model, vram_budget="auto", device="cuda")
+        first = handle.vram_budget
+        with torch.no_grad():
+            outs = [model(**x)[0] for _ in range(3)]
+        assert all(torch.equal(o, ref) for o in outs)
+        auto = handle.report()["auto_budget"]
+        assert auto["first_budget_bytes"] == first and auto["activation_bytes"] > 0
+        assert handle.vram_budget > first and auto["replanned_budget_bytes"] == handle.vram_budget, auto
+        assert handle.report()["plan"]["gpu_bytes"] <= handle.vram_budget < keep
+        handle.remove()
+    finally:
+        del blocker

@@ -92,6 +92,9 @@ class StreamingEngine:
         self._attached = False
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._stream = compute_stream(device)
+        self.on_call_start: Callable[[], None] | None = None
+        self.after_entry_call: Callable[[], None] | None = None
+        """Set by the handle of a ``vram_budget="auto"`` offload: its first call's measurement."""
 
     # ---------------------------------------------------------------------------------------------
     # attach / detach
@@ -247,9 +250,15 @@ class StreamingEngine:
 
     def call_started(self) -> None:
         self.store.call_started(self.transport)
+        if self.on_call_start is not None:
+            self.on_call_start()
 
     def call_finished(self) -> None:
         self.store.call_finished(self.transport)
+
+    def entry_call_done(self) -> None:
+        if self.after_entry_call is not None:
+            self.after_entry_call()
 
     # ---------------------------------------------------------------------------------------------
     # figures

@@ -84,6 +84,9 @@ class Pipeline(Protocol):
     def call_finished(self) -> None:
         """Route bookkeeping at the end of a call."""
 
+    def entry_call_done(self) -> None:
+        """After a call through an entry point has finished (the lock still held, nothing running)."""
+
 
 def _any_requires_grad(tree: Any) -> bool:
     """Whether any tensor in nested args/kwargs requires grad."""
@@ -388,6 +391,7 @@ class Scheduler:
             self._next = 0
             self.topup()
         self.pipeline.call_finished()
+        self.pipeline.entry_call_done()
 
     def _resolve_calls(self, pending: list[tuple[Any, Any, int, int]]) -> None:
         for start, end, nbytes, misses in pending:

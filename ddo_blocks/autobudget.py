@@ -1,0 +1,127 @@
+"""``vram_budget="auto"``: a budget that picks itself from the device's free memory.
+
+1. At attach: the device's free memory ``F`` (``cudaMemGetInfo`` plus what PyTorch's allocator holds
+   unused), and a first budget of half of it (at least the route's minimum), so that the first call's
+   activations, not known yet, have room.
+2. The first call measures its activation peak ``A``: PyTorch's peak allocated during the call less
+   what was allocated when it began (weights and slots included in the latter).
+3. After it, once: the budget grows to ``F - A - margin`` (margin: 256 MiB plus 5 % of ``F``) when that
+   is at least 10 % more than the first budget, and the component is re-planned (detached and attached
+   again with the new budget; the call that measured is already done). If attaching at the new budget
+   fails, the first budget is attached again.
+
+The report's ``auto_budget`` section says what was measured and chosen. Without a CUDA device (the
+CPU engine) there is no activation peak to measure: the first budget stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+from .budget import fmt_bytes
+from .errors import BudgetError
+
+START_FRACTION = 0.5
+"""The first budget: this fraction of the free memory."""
+
+MARGIN_BYTES = 256 << 20
+MARGIN_FRACTION = 0.05
+"""Kept free beside the measured activations: allocator rounding, the caller's own tensors."""
+
+REPLAN_GAIN = 0.10
+"""Re-plan only when the budget grows by at least this fraction."""
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory the offload may use on ``device``: the driver's free memory plus what PyTorch's caching
+    allocator holds without using it (CUDA); the available host memory for the CPU engine."""
+    if device.type != "cuda":
+        return int(psutil.virtual_memory().available)
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + max(0, cached))
+
+
+class CallPeak:
+    """The activation peak of one call: PyTorch's peak allocated during it, less what was allocated at
+    its start. ``None`` on the CPU engine (nothing to measure)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._start: tuple[int, int] | None = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            self._start = (torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device))
+
+    def finish(self) -> int | None:
+        if self._start is None:
+            return None
+        allocated0, peak0 = self._start
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        # without a reset, an earlier peak above this call's can only overstate the call's own
+        return max(0, max(peak, peak0) - allocated0)
+
+
+@dataclass
+class AutoBudget:
+    """The state of one ``vram_budget="auto"`` offload."""
+
+    free_bytes: int
+    minimum_bytes: int
+    first_bytes: int
+    activation_bytes: int | None = None
+    replanned_bytes: int | None = None
+    reason: str = "first call not run yet"
+    done: bool = False
+    peak: CallPeak | None = field(default=None, repr=False)
+
+    @classmethod
+    def at_attach(cls, device: torch.device, minimum: int, what: str) -> AutoBudget:
+        """The first budget for a component whose smallest plan needs ``minimum`` bytes."""
+        free = free_bytes(device)
+        if minimum + MARGIN_BYTES > free:
+            raise BudgetError(
+                f"vram_budget='auto': {what} needs at least {fmt_bytes(minimum)} on {device} (its smallest plan) "
+                f"plus room for activations, and {fmt_bytes(free)} is free; free device memory, or pass a budget "
+                "(bytes, a size such as '6GiB', or 'min')"
+            )
+        first = min(max(minimum, int(free * START_FRACTION)), free - MARGIN_BYTES)
+        return cls(free, minimum, first, peak=CallPeak(device))
+
+    def grown(self, activations: int) -> int:
+        """The budget once the activations are known."""
+        return int(self.free_bytes - activations - MARGIN_BYTES - MARGIN_FRACTION * self.free_bytes)
+
+    def decide(self) -> int | None:
+        """After the first call: the budget to re-plan with, or ``None`` (keep the first one)."""
+        self.done = True
+        act = self.peak.finish() if self.peak is not None else None
+        self.activation_bytes = act
+        if act is None:
+            self.reason = "no activation peak to measure on this device: the first budget stays"
+            return None
+        new = self.grown(act)
+        if new < self.first_bytes * (1 + REPLAN_GAIN):
+            self.reason = (f"free {fmt_bytes(self.free_bytes)} less the first call's activations "
+                           f"{fmt_bytes(act)} and the margin leave {fmt_bytes(max(new, 0))}: not 10 % above the "
+                           "first budget, which stays")
+            return None
+        self.reason = (f"re-planned after the first call: free {fmt_bytes(self.free_bytes)} less its activations "
+                       f"{fmt_bytes(act)} and a margin of {fmt_bytes(self.free_bytes - act - new)}")
+        return new
+
+    def section(self) -> dict[str, Any]:
+        return {
+            "free_bytes": self.free_bytes,
+            "minimum_bytes": self.minimum_bytes,
+            "first_budget_bytes": self.first_bytes,
+            "activation_bytes": self.activation_bytes,
+            "replanned_budget_bytes": self.replanned_bytes,
+            "reason": self.reason,
+        }

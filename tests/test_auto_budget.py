@@ -1,0 +1,124 @@
+"""``vram_budget="auto"`` on the CPU engine, with the device's free memory and the first call's
+activation peak given by the test (the CPU engine has neither): the first budget is half the free
+memory, the component is re-planned once after the first call, outputs stay exact throughout, and
+failures leave a working offload or a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddo_blocks
+from ddo_blocks import autobudget
+from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
+
+from .helpers import assert_restored, snapshot
+
+
+def _weights(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.fixture
+def device_memory(monkeypatch):
+    """Sets what the 'device' has free and what the first call's activations measure."""
+    state = {"free": 0, "activations": None}
+    monkeypatch.setattr(autobudget, "free_bytes", lambda device: state["free"])
+    monkeypatch.setattr(autobudget.CallPeak, "finish", lambda self: state["activations"])
+    monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
+    return state
+
+
+def _run(model, x):
+    with torch.no_grad():
+        return model(**x)[0]
+
+
+def test_auto_starts_at_half_the_free_memory_and_grows_after_the_first_call(device_memory):
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    snap = snapshot(model)
+    w = _weights(model)
+    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
+    handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu")
+    first = handle.vram_budget
+    assert first == int(0.4 * w) and handle.report()["plan"]["streamed_units"] > 0
+    first_engine = handle.engine
+    assert torch.equal(_run(model, x), ref)  # the first call measures, then the re-plan
+    grown = int(0.8 * w - 0.05 * w - autobudget.MARGIN_FRACTION * 0.8 * w)
+    assert handle.vram_budget == grown and handle.engine is not first_engine
+    for _ in range(2):
+        assert torch.equal(_run(model, x), ref)
+    report = handle.report()
+    assert report["plan"]["vram_budget"] == grown and report["plan"]["gpu_bytes"] <= grown
+    a = report["auto_budget"]
+    assert a["first_budget_bytes"] == first and a["replanned_budget_bytes"] == grown
+    assert a["activation_bytes"] == int(0.05 * w) and "re-planned after the first call" in a["reason"]
+    assert report["runtime"]["calls"] == 2  # the new engine's own calls
+    handle.remove()
+    assert_restored(model, snap)
+
+
+def test_auto_keeps_its_first_budget_when_growing_is_not_worth_it_or_cannot_be_measured(device_memory):
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    w = _weights(model)
+    for activations, why in ((int(0.35 * w), "not 10 % above"), (None, "no activation peak")):
+        device_memory.update(free=int(0.8 * w), activations=activations)
+        handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu")
+        engine = handle.engine
+        for _ in range(2):
+            assert torch.equal(_run(model, x), ref)
+        assert handle.engine is engine and handle.vram_budget == int(0.4 * w)
+        assert why in handle.report()["auto_budget"]["reason"]
+        handle.remove()
+
+
+def test_a_failed_replan_attaches_the_first_budget_again(device_memory, monkeypatch):
+    from ddo_blocks.streaming import engine as engine_mod
+
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    snap = snapshot(model)
+    w = _weights(model)
+    device_memory.update(free=int(0.8 * w), activations=0)
+    handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu")
+    first = handle.vram_budget
+    real_attach = engine_mod.StreamingEngine.attach
+    attaches = []
+
+    def attach_once_failing(self):
+        attaches.append(self.budget)
+        if len(attaches) == 1:
+            raise ddo_blocks.OffloadMemoryError("refused by the test")
+        return real_attach(self)
+
+    monkeypatch.setattr(engine_mod.StreamingEngine, "attach", attach_once_failing)
+    assert torch.equal(_run(model, x), ref)
+    assert attaches == [int(0.95 * 0.8 * w), first] and handle.vram_budget == first
+    assert "failed" in handle.report()["auto_budget"]["reason"]
+    assert torch.equal(_run(model, x), ref)
+    handle.remove()
+    assert_restored(model, snap)
+
+
+def test_auto_refuses_what_it_cannot_do(device_memory):
+    model = tiny_flux_transformer()
+    device_memory.update(free=ddo_blocks.minimum_budget(model) - 1)
+    with pytest.raises(ddo_blocks.BudgetError, match="vram_budget='auto'.*smallest plan.*is free"):
+        ddo_blocks.offload(model, vram_budget="auto", device="cpu")
+    with pytest.raises(ddo_blocks.ConfigError, match="route 'resident' does not stream"):
+        ddo_blocks.offload(model, route="resident", vram_budget="auto", device="cpu")
+    assert ddo_blocks.get_handle(model) is None
+
+
+def test_enable_offload_without_a_budget_means_auto(device_memory, monkeypatch):
+    monkeypatch.delenv("DDO_VRAM_BUDGET", raising=False)
+    model = tiny_flux_transformer()
+    device_memory.update(free=int(0.8 * _weights(model)), activations=None)
+    result = ddo_blocks.enable_offload(model, preset="auto", device="cpu")
+    assert result.handle.auto is not None and result.handle.vram_budget == int(0.4 * _weights(model))
+    result.handle.remove()
