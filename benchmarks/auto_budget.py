@@ -70,12 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     model.to("cpu")
     sync(dev)
     blocker = None
+    blocked = 0
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(dev)
         keep = int(args.card * GIB)
         if free > keep:
-            blocker = torch.empty(free - keep, dtype=torch.uint8, device=dev)  # the rest of the card, taken
+            blocked = free - keep
+            blocker = torch.empty(blocked, dtype=torch.uint8, device=dev)  # the rest of the card, taken
     rows = []
     for side in sides:
         x = inputs[side]
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                        free_bytes=auto["free_bytes"], first_budget_bytes=auto["first_budget_bytes"],
                        activation_bytes=auto["activation_bytes"], budget_bytes=plan["vram_budget"],
                        reason=auto["reason"], streamed_bytes=plan["streamed_bytes"], gpu_bytes=plan["gpu_bytes"],
-                       gpu_peak_allocated=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
+                       # the filler tensor is allocated through PyTorch too: not counted
+                       gpu_peak_allocated=torch.cuda.max_memory_allocated(dev) - blocked if dev.type == "cuda" else None)
             del t
             handle.remove()
         except torch.OutOfMemoryError as exc:
