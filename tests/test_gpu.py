@@ -154,6 +154,9 @@ def test_auto_budget_on_a_card_the_model_does_not_fit(monkeypatch):
     x = flux_inputs(model, height=16, width=16, text_len=32, device="cuda")
     ref, activations = _resident_reference(model, x)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    from ddo_blocks.streaming import bandwidth
+
+    bandwidth.link_bytes_per_s(torch.device("cuda", torch.cuda.current_device()))  # its 256 MiB probe, before the card fills
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     keep = int(0.6 * weights) + activations + (16 << 20)  # a card with room for about 60 % of the weights
