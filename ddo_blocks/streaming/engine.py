@@ -90,7 +90,15 @@ class StreamingEngine:
         self.setup_s = 0.0
         self.pack_s = 0.0
         self._attached = False
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        try:
+            self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        except RuntimeError as exc:  # torch.AcceleratorError: the driver has no memory left for a stream
+            if "out of memory" not in str(exc):
+                raise
+            raise OffloadMemoryError(
+                f"out of GPU memory on {device} creating the copy stream, before any weight moved: the module is "
+                "as it was; free GPU memory (the driver needs some beyond PyTorch's)"
+            ) from exc
         self._stream = compute_stream(device)
         self.on_call_start: Callable[[], None] | None = None
         self.after_entry_call: Callable[[], None] | None = None
