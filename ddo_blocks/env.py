@@ -12,7 +12,8 @@ import os
 from .errors import ConfigError
 
 VARIABLES: dict[str, str] = {
-    "DDO_VRAM_BUDGET": "enable_offload()'s vram_budget when none is passed: bytes or a size such as 6GiB",
+    "DDO_VRAM_BUDGET": "enable_offload()'s vram_budget when none is passed (without it: 'auto'): bytes or a size "
+                       "such as 6GiB",
     "DDO_LINK_GBPS": "host-to-device bandwidth for the planner and the roofline, in decimal GB/s (a positive "
                      "number), instead of the measured one",
     "DDO_DISK_GBPS": "disk read bandwidth for the NVMe route's planner and roofline, in decimal GB/s (a positive "
