@@ -122,7 +122,7 @@ class CodedSlabs:
         self.landing_bytes = landing_bytes(engine.module)
         self.units: list[Any] = []  # _native.CodedUnit per streamed unit
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (storage, buffer) per unit
-        self.registrations: list[Any] = []
+        self.registrations: dict[int, Any] = {}  # streamed unit -> its buffer's page-locking
         self._hollow: list[list[torch.Tensor]] = []
         self._coded: set[int] = set()  # streamed units whose parameters are placeholders
         self._ids: list[int] = []
@@ -158,7 +158,7 @@ class CodedSlabs:
             clock[phase] += now - since
             return now
 
-        pinning: list[Future] = []
+        pinning: list[tuple[int, Future]] = []
         total = sum(e.layout_bytes)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, _progress(
                 total, "coding", quiet=e.loader is not None) as bar:
@@ -187,15 +187,15 @@ class CodedSlabs:
                     self._coded.add(u)
                     del srcs
                     if self.pin and layout.nbytes:
-                        pinning.append(pool.submit(_native.HostRegistration, storage, buf.data_ptr(), layout.nbytes,
-                                                   e.device.index or 0))
+                        pinning.append((u, pool.submit(_native.HostRegistration, storage, buf.data_ptr(),
+                                                       layout.nbytes, e.device.index or 0)))
                     bar.update(e.layout_bytes[u])
             finally:
                 tick = time.perf_counter()
                 errors = []
-                for f in pinning:
+                for u, f in pinning:
                     try:
-                        self.registrations.append(f.result())
+                        self.registrations[u] = f.result()
                     except DdoError as exc:
                         errors.append(exc)
                 lap("pin_wait", tick)
@@ -253,12 +253,16 @@ class CodedSlabs:
                                       [(t.data_ptr(), span_nbytes(t)) for t in owns])
             for (_, p), g, t in zip(unit.params, e.geometry[u], owns):
                 p.data = t.as_strided(g.shape, g.stride())
-            # this unit's buffer is no longer needed: free it before decoding the next
+            # this unit's buffer is no longer needed: unpin and free it before decoding the next, so
+            # the extra host memory during remove() stays at one unit
+            registration = self.registrations.pop(u, None)
+            if registration is not None:
+                registration.close()
             self.buffers[u] = (torch.empty(0, dtype=torch.uint8),) * 2
         self._coded.clear()
-        for r in self.registrations:
+        for r in self.registrations.values():  # none normally: each went with its unit above
             r.close()
-        self.registrations = []
+        self.registrations = {}
         self.buffers = []
         self.landing = None
         self.decode_stream = None
@@ -295,7 +299,7 @@ class CodedSlabs:
             "plan": {"host_slabs": len(self.units), "host_slab_bytes": self.host_bytes},
             "setup": {"encode_s": self.encode_s, "packed_bytes": self.host_bytes,
                       **{f"encode_{k}_s": v for k, v in getattr(self, "phase_s", {}).items()}},
-            "memory": {"pinned_bytes": sum(r.nbytes for r in self.registrations)},
+            "memory": {"pinned_bytes": sum(r.nbytes for r in self.registrations.values())},
             "codec": {
                 "codec": "fixed",
                 "coded_units": len(self.units),
