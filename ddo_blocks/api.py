@@ -249,12 +249,13 @@ def offload(
     elif not spec.reads_files:
         _materialize(module, loader)  # other routes start from an ordinary CPU module
         loader = None
+    route_options = dict(options)  # the factory takes its own out of the dict it gets
     chosen, engine = spec.factory(EngineRequest(module, preset, budget, dev, options, loader))
     engine.attach()
     handle = OffloadHandle(module, engine, route=spec.name, preset=chosen, requested=preset, component=component,
                            vram_budget=budget, device=dev)
     if auto is not None:
-        handle._auto_budget(auto, spec, options)
+        handle._auto_budget(auto, spec, route_options)
     setattr(module, _ATTR, handle)
     if getattr(engine, "owns_placement", False):
         handle._guard = guards.ConversionGuard(module, dev, lambda: repr(handle))

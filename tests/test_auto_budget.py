@@ -60,6 +60,22 @@ def test_auto_starts_at_half_the_free_memory_and_grows_after_the_first_call(devi
     assert_restored(model, snap)
 
 
+def test_the_replan_keeps_the_route_options(device_memory):
+    model = tiny_flux_transformer(torch.bfloat16, num_attention_heads=4, attention_head_dim=32, joint_attention_dim=64,
+                                  axes_dims_rope=(4, 14, 14))
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    w = _weights(model)
+    device_memory.update(free=w, activations=0)  # the first budget is the minimum; the re-plan still streams
+    handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu", codec="fixed", units="block")
+    first = handle.engine
+    assert torch.equal(_run(model, x), ref)
+    assert handle.engine is not first and handle.engine.granularity == "block" and handle.engine.streamed
+    assert handle.report()["codec"]["codec"] == "fixed" and handle.report()["codec"]["coded_bytes"] > 0
+    assert torch.equal(_run(model, x), ref)
+    handle.remove()
+
+
 def test_auto_keeps_its_first_budget_when_growing_is_not_worth_it_or_cannot_be_measured(device_memory):
     model = tiny_flux_transformer()
     x = flux_inputs(model)

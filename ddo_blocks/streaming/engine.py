@@ -4,6 +4,7 @@
       ├─ UnitPlan  (plan.py)       units, resident set and slot count from the Rust planner
       ├─ Scheduler (scheduler.py)  hooks, entry points, learned order, in-flight queue, calls, lock
       ├─ UnitStore (stores.py)     host side: HostSlabs (linear) | FileStore + RAM cache (nvme)
+      │                             | CodedSlabs (coded.py: linear with codec="fixed")
       └─ TorchSlots (slots.py)     device side: K slots allocated through PyTorch, views built once
 
 Copies run on a side stream ordered by events (``_native.Transport``), never a device-wide
@@ -41,7 +42,7 @@ class StreamingEngine:
         preset: the route's preset (slots range, host mode, keep-warm, staging ring).
         budget: bytes for the component's weights on the device (``None``: everything resident).
         device: ``cuda[:N]`` or ``cpu``.
-        store: builds the host side for this engine (``HostSlabs``, ``FileStore``).
+        store: builds the host side for this engine (``HostSlabs``, ``FileStore``, ``coded.CodedSlabs``).
         loader: a ``loading.Loader`` when the module was built on the meta device (``from_pretrained``).
         units: ``auto``, ``block`` or ``child``.
         reserve_bytes: device bytes the store needs beside the slots (the codec's landing buffers),
@@ -56,14 +57,14 @@ class StreamingEngine:
 
     def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device, *,
                  store: Callable[[StreamingEngine], Any], loader: Any = None, units: str = "auto",
-                 reserve_bytes: int = 0, link_bytes: plan.LinkBytes | None = None, extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None):
+                 reserve_bytes: int = 0, link_bytes: plan.LinkBytes | None = None,
+                 extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None):
         self.module = module
         self.preset = preset
         self.budget = budget
         self.device = device
         self.loader = loader
         self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
-        self.reserve_bytes = reserve_bytes
         self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes,
                                      link_bytes)
         self.plan = self.unit_plan.native
