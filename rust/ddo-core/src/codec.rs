@@ -115,44 +115,50 @@ fn exponent(v: u16) -> u16 {
     (v >> 7) & 0xff
 }
 
-/// The exponent codes of one block into `codes[..block.len()]`; returns the block's base (its
-/// largest finite exponent minus 13, at least 1) and its escapes. Branch-free, so it vectorises.
-fn block_codes(block: &[u16], codes: &mut [u8; BLOCK]) -> (u16, usize) {
+/// The base of one block: its largest finite exponent minus 13, at least 1. Branch-free.
+#[inline]
+fn block_base(block: &[u16]) -> u16 {
     let e_max = block
         .iter()
         .map(|&v| {
             let e = exponent(v);
-            if e == 255 {
-                0
-            } else {
-                e
-            }
+            e & u16::from(e != 255).wrapping_neg() // Inf and NaN count as 0
         })
         .fold(0u16, u16::max);
-    let base = e_max.saturating_sub(WINDOW - 1).max(1);
-    let mut escapes = 0usize;
-    for (c, &v) in codes.iter_mut().zip(block) {
-        let e = exponent(v);
-        let d = e.wrapping_sub(base).wrapping_add(1); // 1..=14 inside the window
-        let code = if e == 0 {
-            0
-        } else if (1..=WINDOW).contains(&d) {
-            d
-        } else {
-            u16::from(ESCAPE)
-        };
-        *c = code as u8;
-        escapes += usize::from(code == u16::from(ESCAPE));
+    e_max.saturating_sub(WINDOW - 1).max(1)
+}
+
+/// The 4-bit code of value `v` in a block of base `base`. Branch-free, so loops over it vectorise.
+#[inline(always)]
+fn code_of(v: u16, base: u16) -> u16 {
+    let e = exponent(v);
+    let d = e.wrapping_sub(base).wrapping_add(1); // 1..=14 inside the window
+    let windowed = if d.wrapping_sub(1) < WINDOW {
+        d
+    } else {
+        u16::from(ESCAPE)
+    };
+    if e == 0 {
+        0
+    } else {
+        windowed
     }
-    (base, escapes)
+}
+
+/// Escapes of one block of base `base`.
+#[inline]
+fn block_escapes(block: &[u16], base: u16) -> usize {
+    block
+        .iter()
+        .map(|&v| u16::from(code_of(v, base) == u16::from(ESCAPE)))
+        .sum::<u16>() as usize
 }
 
 /// Escapes a chunk of these values will have.
 pub fn count_escapes(values: &[u16]) -> usize {
-    let mut codes = [0u8; BLOCK];
     values
         .chunks(BLOCK)
-        .map(|block| block_codes(block, &mut codes).1)
+        .map(|block| block_escapes(block, block_base(block)))
         .sum()
 }
 
@@ -221,41 +227,42 @@ pub fn encode_range(
         return bad("escapes must be 4 bytes each and indices below 2^24");
     }
     let n_esc = escapes.len() / 4;
-    let mut block_code = [0u8; BLOCK];
     let mut written = 0usize;
     for (b, block) in values.chunks(BLOCK).enumerate() {
-        let (base, esc) = block_codes(block, &mut block_code);
+        let base = block_base(block);
         bases[b] = base as u8;
         let at = b * BLOCK;
         let len = block.len();
         for (s, &v) in signs[at..at + len].iter_mut().zip(block) {
             *s = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
         }
-        for (byte, pair) in codes[at / 2..at / 2 + len / 2]
-            .iter_mut()
-            .zip(block_code[..len].chunks_exact(2))
-        {
-            *byte = pair[0] | (pair[1] << 4);
+        let pairs = block.chunks_exact(2);
+        let odd = pairs.remainder().first().copied();
+        let mut esc = 0u16;
+        for (byte, pair) in codes[at / 2..at / 2 + len / 2].iter_mut().zip(pairs) {
+            let (c0, c1) = (code_of(pair[0], base), code_of(pair[1], base));
+            *byte = (c0 | (c1 << 4)) as u8;
+            esc += u16::from(c0 == u16::from(ESCAPE)) + u16::from(c1 == u16::from(ESCAPE));
         }
-        if len % 2 == 1 {
-            codes[(at + len) / 2] = block_code[len - 1];
+        if let Some(v) = odd {
+            let c = code_of(v, base);
+            codes[(at + len) / 2] = c as u8;
+            esc += u16::from(c == u16::from(ESCAPE));
         }
         if esc == 0 {
             continue;
         }
-        if written + esc > n_esc {
+        if written + usize::from(esc) > n_esc {
             return Err(CoreError::InvalidArgument(format!(
                 "values {first}.. have more than the {n_esc} escapes counted: they changed while they were coded"
             )));
         }
-        for (k, _) in block_code[..len]
-            .iter()
-            .enumerate()
-            .filter(|(_, &c)| c == ESCAPE)
-        {
-            let entry = (((first + at + k) as u32) << 8) | u32::from(exponent(block[k]));
-            escapes[4 * written..4 * written + 4].copy_from_slice(&entry.to_le_bytes());
-            written += 1;
+        for (k, &v) in block.iter().enumerate() {
+            if code_of(v, base) == u16::from(ESCAPE) {
+                let entry = (((first + at + k) as u32) << 8) | u32::from(exponent(v));
+                escapes[4 * written..4 * written + 4].copy_from_slice(&entry.to_le_bytes());
+                written += 1;
+            }
         }
     }
     if written != n_esc {
