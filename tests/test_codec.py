@@ -216,3 +216,25 @@ def test_offload_pipeline_and_the_cli_take_the_codec(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ddo_blocks", "run", "--device", "cpu", "--denoise-codec", "zstd"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice: 'zstd'" in bad.stderr
+
+
+def test_two_threads_calling_a_coded_module_get_exact_outputs():
+    import threading
+
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed")
+    results: list[bool] = []
+
+    def work():
+        for _ in range(5):
+            results.append(torch.equal(_ref(model, x), ref))
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 10
+    handle.remove()

@@ -137,15 +137,18 @@ class CodedSlabs:
         """Unit ``u``'s tensors as contiguous CPU spans (read from the checkpoint when pending)."""
         e = self.engine
         out = []
+        reads = []
         for _, p in e.streamed[u].params:
             if e.loader is not None and e.loader.pending(p):
                 t = torch.empty(span_elements(p), dtype=p.dtype)
-                e.loader.read_many([(e.loader.take(p), t)])
+                reads.append((e.loader.take(p), t))
             elif p.device.type == "cpu" and type(p.data) is torch.Tensor:
                 t = flat_span(p.data)
             else:
                 t = flat_span(p.data).detach().to("cpu").contiguous()
             out.append(t)
+        if reads:
+            e.loader.read_many(reads)  # the unit's tensors in parallel positional reads
         return out
 
     def build(self) -> None:
