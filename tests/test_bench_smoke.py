@@ -242,3 +242,14 @@ def test_auto_budget_benchmark_runs_on_the_cpu(tmp_path):
     (row,) = doc["rows"]
     assert row["status"] == "ok" and row["exact"] and row["first_budget_bytes"] > 0
     assert "no activation peak" in row["reason"]  # the CPU engine has none to measure
+
+
+def test_host_contention_probe_says_it_needs_cuda_without_one(capsys):
+    import torch
+
+    from benchmarks import host_contention
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run the probe itself (docs/gpu.md)")
+    assert host_contention.main(["--gib", "0.01"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
