@@ -45,15 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import ddo_blocks
-    from benchmarks.model import FLUX_DEV, TINY, make_inputs, skeleton
+    from benchmarks.model import FLUX_DEV, TINY, make_inputs, random_model
 
     dev = torch.device(args.device)
     cfg = TINY if args.tiny else FLUX_DEV
-    model = skeleton(cfg, torch.bfloat16).to_empty(device=dev)
-    with torch.no_grad():
-        g = torch.Generator(device=dev).manual_seed(0)
-        for prm in model.parameters():
-            prm.normal_(0, 0.02, generator=g)
+    model = random_model(cfg, dev)
     weights = sum(q.numel() * q.element_size() for q in model.parameters())
     sides = [int(s) for s in args.resolutions.split(",")]
     inputs = {}

@@ -43,16 +43,13 @@ def _drop_cache(directory: Path, pattern: str = "*.safetensors") -> None:
 def phase_save(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from benchmarks.model import FLUX_DEV, TINY, skeleton
+    from benchmarks.model import FLUX_DEV, TINY, random_model
     from ddo_blocks.tiny import flux_inputs
 
     dev = torch.device(args.device)
     cfg = TINY if args.tiny else FLUX_DEV
     t0 = time.perf_counter()
-    model = skeleton(cfg, torch.bfloat16).to_empty(device=dev)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
+    model = random_model(cfg, dev)
     x = flux_inputs(model, height=args.tokens_side, width=args.tokens_side, text_len=args.text_tokens, device=dev)
     with torch.no_grad():
         ref = model(**x)[0].cpu()

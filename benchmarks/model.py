@@ -78,6 +78,18 @@ def skeleton(cfg: dict[str, Any], dtype: torch.dtype) -> nn.Module:
     return model.eval()
 
 
+def random_model(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0) -> nn.Module:
+    """The model built on ``device`` with every parameter drawn from ``normal(0, 0.02)`` (seeded),
+    left there (callers that offload move it to the CPU)."""
+    model = skeleton(cfg, dtype).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=g)
+    return model
+
+
 def layout(model: nn.Module) -> tuple[list[dict[str, Any]], int]:
     """One blob range per parameter and buffer: (entries, total bytes)."""
     entries = []

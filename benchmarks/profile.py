@@ -102,16 +102,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import ddo_blocks
     from benchmarks.measure import parse_size, sync, timed_calls
-    from benchmarks.model import FLUX_DEV, TINY, skeleton
+    from benchmarks.model import FLUX_DEV, TINY, random_model
     from ddo_blocks.tiny import flux_inputs
 
     dev = torch.device(args.device)
     cfg = TINY if args.tiny else FLUX_DEV
-    model = skeleton(cfg, torch.bfloat16).to_empty(device=dev)
-    with torch.no_grad():
-        for prm in model.parameters():
-            prm.normal_(0, 0.02)
-    model.to("cpu")
+    model = random_model(cfg, dev).to("cpu")
     side, text = (8, 12) if args.tiny else (64, 512)
     x = flux_inputs(model, height=side, width=side, text_len=text, device=dev)
     weights = sum(q.numel() * q.element_size() for q in model.parameters())

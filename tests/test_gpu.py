@@ -45,18 +45,13 @@ def _clean():
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("budget_name", ["all_streamed", "half", "all_resident"])
-def test_cuda_exact_and_within_budget(preset, budget_name):
-    model = medium_flux()
-    x = flux_inputs(model, height=16, width=16, text_len=32, device="cuda")
-    ref, activations = _resident_reference(model, x)
-    snap = snapshot(model)
-    budget = budgets(model)[budget_name]
+def offload_exact_within_budget(model, x, ref, activations, budget, **options):
+    """Offloads ``model`` within ``budget`` on the GPU, runs three forwards, checks each equals
+    ``ref`` and that peak memory stayed within the budget plus the forward's own activations;
+    returns the handle."""
     base_alloc = torch.cuda.memory_allocated()
-    handle = ddo_blocks.offload(model, preset=preset, vram_budget=budget, device="cuda", component="transformer")
-    plan = handle.report()["plan"]
-    assert plan["gpu_bytes"] <= budget
+    handle = ddo_blocks.offload(model, vram_budget=budget, device="cuda", component="transformer", **options)
+    assert handle.report()["plan"]["gpu_bytes"] <= budget
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
@@ -67,6 +62,19 @@ def test_cuda_exact_and_within_budget(preset, budget_name):
         assert torch.equal(out, ref)
     # weights on the GPU stay inside the budget; activations come on top (plus allocator rounding)
     assert peak <= budget + activations + (2 << 20), (peak, budget, activations)
+    return handle
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("budget_name", ["all_streamed", "half", "all_resident"])
+def test_cuda_exact_and_within_budget(preset, budget_name):
+    model = medium_flux()
+    x = flux_inputs(model, height=16, width=16, text_len=32, device="cuda")
+    ref, activations = _resident_reference(model, x)
+    snap = snapshot(model)
+    budget = budgets(model)[budget_name]
+    handle = offload_exact_within_budget(model, x, ref, activations, budget, preset=preset)
+    plan = handle.report()["plan"]
     report = handle.report()
     assert report["runtime"]["calls"] == 3 and report["runtime"]["misses"] == 0
     if budget_name == "all_streamed":
@@ -79,13 +87,15 @@ def test_cuda_exact_and_within_budget(preset, budget_name):
     assert_restored(model, snap)
 
 
-def test_cuda_module_that_started_on_the_gpu_goes_back():
+@pytest.mark.parametrize("codec", ["off", "fixed"])
+def test_cuda_module_that_started_on_the_gpu_goes_back(codec):
     model = medium_flux().to("cuda")
     x = flux_inputs(model, device="cuda")
     with torch.no_grad():
         ref = model(**x)[0]
     snap = snapshot(model)
-    handle = ddo_blocks.offload(model, vram_budget=budgets(model)["all_streamed"], device="cuda")
+    budget = "min" if codec != "off" else budgets(model)["all_streamed"]
+    handle = ddo_blocks.offload(model, vram_budget=budget, device="cuda", codec=codec)
     with torch.no_grad():
         assert torch.equal(model(**x)[0], ref)
     handle.remove()

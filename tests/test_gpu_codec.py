@@ -1,6 +1,7 @@
 """The codec on a real GPU: the NVRTC decode kernel bit for bit against the host reference (edge
 values, odd lengths, all-escape blocks), and ``codec="fixed"`` exact against the resident forward at
-every budget with the landing buffers inside the budget. Marked ``gpu``: skipped without CUDA."""
+every budget with the landing buffers inside the budget (a module that starts on the GPU: in
+tests/test_gpu.py). Marked ``gpu``: skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import ddo_blocks
 from ddo_blocks import _native
 
 from .helpers import assert_restored, budgets, snapshot
-from .test_gpu import _resident_reference, medium_flux
+from .test_gpu import _resident_reference, medium_flux, offload_exact_within_budget
 
 pytestmark = pytest.mark.gpu
 
@@ -68,18 +69,8 @@ def test_coded_offload_is_exact_on_the_gpu_and_inside_its_budget(budget_name):
     snap = snapshot(model)
     budget = budgets(model)[budget_name]
     budget = budget + ddo_blocks.minimum_budget(model, codec="fixed") - ddo_blocks.minimum_budget(model)
-    base_alloc = torch.cuda.memory_allocated()
-    handle = ddo_blocks.offload(model, vram_budget=budget, device="cuda", codec="fixed", component="transformer")
+    handle = offload_exact_within_budget(model, x, ref, activations, budget, codec="fixed")
     plan = handle.report()["plan"]
-    assert plan["gpu_bytes"] <= budget
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad():
-        outs = [model(**x)[0] for _ in range(3)]
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base_alloc
-    assert all(torch.equal(o, ref) for o in outs)
-    assert peak <= budget + activations + (2 << 20), (peak, budget, activations)
     report = handle.report()
     c = report["codec"]
     if plan["streamed_units"]:
@@ -89,19 +80,3 @@ def test_coded_offload_is_exact_on_the_gpu_and_inside_its_budget(budget_name):
         assert report["memory"]["pinned_bytes"] == c["host_bytes"]
     handle.remove()
     assert_restored(model, snap)
-
-
-def test_coded_offload_from_the_gpu_goes_back_to_the_gpu():
-    model = medium_flux().to("cuda")
-    from ddo_blocks.tiny import flux_inputs
-
-    x = flux_inputs(model, device="cuda")
-    with torch.no_grad():
-        ref = model(**x)[0]
-    snap = snapshot(model)
-    handle = ddo_blocks.offload(model, vram_budget="min", device="cuda", codec="fixed")
-    with torch.no_grad():
-        assert torch.equal(model(**x)[0], ref)
-    handle.remove()
-    assert_restored(model, snap)
-    assert all(p.is_cuda for p in model.parameters())

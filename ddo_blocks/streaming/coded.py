@@ -32,7 +32,7 @@ from ..errors import ConfigError, DdoError
 from ..routes.spec import HostMode, Preset
 from ..units import flat_span, span_elements, span_nbytes
 from .slabs import _alloc, _progress
-from .stores import _placeholder
+from .stores import InMemoryStore, _placeholder
 
 CODECS = ("off", "fixed")
 """``off``: units cross the link as they are. ``fixed``: bf16 weights at 12 bits per value."""
@@ -110,7 +110,7 @@ def reserve_bytes(module: nn.Module, codec: str, device: torch.device) -> int:
     return LANDING_BUFFERS * landing_bytes(module)
 
 
-class CodedSlabs:
+class CodedSlabs(InMemoryStore):
     """Every streamed unit coded in host memory (the linear route with ``codec="fixed"``)."""
 
     slabs = None
@@ -237,16 +237,7 @@ class CodedSlabs:
     def all_views(self) -> list[torch.Tensor]:
         return []
 
-    def call_started(self, transport: Any) -> None:
-        pass
-
-    def call_finished(self, transport: Any) -> None:
-        pass
-
     # -- removal: every coded unit decoded back into fresh memory -----------------------------------
-    def before_release(self) -> None:
-        return None
-
     def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
         e = self.engine
         for u in sorted(self._coded):
@@ -269,15 +260,6 @@ class CodedSlabs:
         self.buffers = []
         self.landing = None
         self.decode_stream = None
-
-    def closed(self, transport: Any) -> None:
-        pass
-
-    def sim_args(self) -> tuple:
-        return ()
-
-    def disk_figures(self) -> tuple[float, int] | None:
-        return None
 
     # -- figures -----------------------------------------------------------------------------------
     @property

@@ -303,7 +303,7 @@ class StreamingEngine:
 
     @property
     def gpu_bytes(self) -> int:
-        return self.resident_bytes + self.slots.nbytes + getattr(self.store, "device_bytes", 0)
+        return self.resident_bytes + self.slots.nbytes + self.store.device_bytes
 
     def unit_infos(self) -> tuple[UnitInfo, ...]:
         streamed = {id(u) for u in self.streamed}

@@ -52,6 +52,9 @@ class UnitStore(Protocol):
     lost: list[str]
     """Parameters a failed removal could not restore (left as NaN placeholders)."""
 
+    device_bytes: int
+    """Device bytes the store holds beside the slots (counted in the engine's ``gpu_bytes``)."""
+
     def build(self) -> None:
         """Packs or registers every streamed unit's bytes; parameters point at their host side."""
 
@@ -91,11 +94,38 @@ class UnitStore(Protocol):
     def slabs(self) -> SlabSet | None: ...
 
 
+class InMemoryStore:
+    """The parts of a :class:`UnitStore` that are the same for every store whose units all sit in
+    host memory (``HostSlabs``, ``coded.CodedSlabs``): nothing to check per call, nothing to bring
+    back before a removal, no disk in the simulation or the roofline, no device memory of its own."""
+
+    device_bytes = 0
+    """Device bytes the store holds beside the slots (the codec's landing buffers)."""
+
+    def call_started(self, transport: Any) -> None:
+        pass
+
+    def call_finished(self, transport: Any) -> None:
+        pass
+
+    def before_release(self) -> CheckpointError | None:
+        return None
+
+    def closed(self, transport: Any) -> None:
+        pass
+
+    def sim_args(self) -> tuple:
+        return ()
+
+    def disk_figures(self) -> tuple[float, int] | None:
+        return None
+
+
 def _slab_views(slabs: SlabSet | None) -> list[torch.Tensor]:
     return [v for unit in (slabs.host_views if slabs else []) for v in unit]
 
 
-class HostSlabs:
+class HostSlabs(InMemoryStore):
     """Every streamed unit in host slabs (the linear route)."""
 
     def __init__(self, engine: Any):
@@ -126,28 +156,10 @@ class HostSlabs:
     def all_views(self) -> list[torch.Tensor]:
         return _slab_views(self.slabs)
 
-    def call_started(self, transport: Any) -> None:
-        pass
-
-    def call_finished(self, transport: Any) -> None:
-        pass
-
-    def before_release(self) -> CheckpointError | None:
-        return None
-
     def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
         if self.slabs is not None:
             self.slabs.release(orig_device, keep_warm=keep_warm)
             self.slabs = None
-
-    def closed(self, transport: Any) -> None:
-        pass
-
-    def sim_args(self) -> tuple:
-        return ()
-
-    def disk_figures(self) -> tuple[float, int] | None:
-        return None
 
     def report_sections(self, transport: Any) -> dict[str, dict[str, Any]]:
         return {}
@@ -161,6 +173,8 @@ def _placeholder(p: torch.Tensor) -> torch.Tensor:
 
 class FileStore:
     """Streamed units from a RAM cache or from their safetensors files (the NVMe route)."""
+
+    device_bytes = 0
 
     def __init__(self, engine: Any, *, ram_budget: int | None, ram_auto: bool):
         self.engine = engine

@@ -24,7 +24,7 @@ use ddo_core::codec::{self, CodedUnit, PieceKind};
 use rayon::prelude::*;
 
 use crate::deferred::ErrorSlot;
-use crate::driver::{bind_primary, Stream};
+use crate::driver::Stream;
 use crate::error::{CudaError, Result};
 use crate::event::Event;
 use crate::job::{h2d_async, Sink, Stage};
@@ -471,11 +471,7 @@ impl DecodeRing {
             ));
         }
         let kernel = decode_kernel(ordinal)?;
-        let mk = |n: usize| {
-            (0..n)
-                .map(|_| Event::new(errors))
-                .collect::<Result<Vec<_>>>()
-        };
+        let mk = |n: usize| Event::many(n, errors);
         Ok(Self {
             ordinal,
             decode_stream,
@@ -502,15 +498,11 @@ impl DecodeRing {
 
 impl Drop for DecodeRing {
     fn drop(&mut self) {
-        let bound = bind_primary(self.ordinal);
-        if let Err(e) = &bound {
-            self.errors
-                .record("binding the context to destroy decode events", e);
-        }
-        self.landed.clear();
-        self.decoded.clear();
-        self.done.clear();
-        drop(bound);
+        crate::event::destroy_bound(
+            self.ordinal,
+            &self.errors,
+            &mut [&mut self.landed, &mut self.decoded, &mut self.done],
+        );
     }
 }
 

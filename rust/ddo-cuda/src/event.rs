@@ -3,7 +3,7 @@
 use cudarc::driver::sys;
 
 use crate::deferred::ErrorSlot;
-use crate::driver::{check, init, Stream};
+use crate::driver::{bind_primary, check, init, Stream};
 use crate::error::Result;
 
 /// An event created with `CU_EVENT_DISABLE_TIMING` (the cheapest kind) in the current context;
@@ -38,6 +38,11 @@ impl Event {
             ev,
             errors: errors.clone(),
         })
+    }
+
+    /// `n` events, as [`Event::new`].
+    pub fn many(n: usize, errors: &ErrorSlot) -> Result<Vec<Self>> {
+        (0..n).map(|_| Self::new(errors)).collect()
     }
 
     /// Records the event on `stream`: it completes when the work queued so far on it completes.
@@ -90,4 +95,18 @@ impl Drop for Event {
             self.errors.record("destroying an event", e);
         }
     }
+}
+
+/// Destroys `sets` of events with the primary context of device `ordinal` bound (their owner's
+/// last holder may be a thread whose current context is another one, or none); a failure to bind
+/// goes to `errors`.
+pub(crate) fn destroy_bound(ordinal: usize, errors: &ErrorSlot, sets: &mut [&mut Vec<Event>]) {
+    let bound = bind_primary(ordinal);
+    if let Err(e) = &bound {
+        errors.record("binding the context to destroy events", e);
+    }
+    for set in sets.iter_mut() {
+        set.clear();
+    }
+    drop(bound);
 }

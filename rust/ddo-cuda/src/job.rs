@@ -22,7 +22,7 @@ use cudarc::driver::sys;
 use ddo_core::ReadChunk;
 
 use crate::deferred::ErrorSlot;
-use crate::driver::{bind_primary, check, Stream};
+use crate::driver::{check, Stream};
 use crate::error::{CudaError, Result};
 use crate::event::Event;
 use crate::reader::ReadFile;
@@ -344,11 +344,7 @@ impl CudaLane {
         buffers: usize,
         errors: &ErrorSlot,
     ) -> Result<Self> {
-        let mk = |n: usize| {
-            (0..n)
-                .map(|_| Event::new(errors))
-                .collect::<Result<Vec<_>>>()
-        };
+        let mk = |n: usize| Event::many(n, errors);
         Ok(Self {
             ordinal,
             copy_stream,
@@ -373,17 +369,15 @@ impl CudaLane {
 
 impl Drop for CudaLane {
     fn drop(&mut self) {
-        // the events are destroyed here, with their context bound (the last holder of the lane
-        // may be a thread whose current context is another one, or none)
-        let bound = bind_primary(self.ordinal);
-        if let Err(e) = &bound {
-            self.errors
-                .record("binding the context to destroy events", e);
-        }
-        self.slots.arrived.clear();
-        self.slots.consumed.clear();
-        self.uploaded.clear();
-        drop(bound);
+        crate::event::destroy_bound(
+            self.ordinal,
+            &self.errors,
+            &mut [
+                &mut self.slots.arrived,
+                &mut self.slots.consumed,
+                &mut self.uploaded,
+            ],
+        );
     }
 }
 
