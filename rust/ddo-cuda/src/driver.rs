@@ -168,24 +168,9 @@ impl Drop for ContextGuard {
     }
 }
 
-fn primary_context(ordinal: usize) -> Result<usize> {
-    let map = PRIMARY.get_or_init(|| Mutex::new(HashMap::new()));
-    let mut map = map
-        .lock()
-        .map_err(|_| CudaError::InvalidArgument("context table poisoned".into()))?;
-    if let Some(&ctx) = map.get(&ordinal) {
-        return Ok(ctx);
-    }
-    let count = {
-        let mut n: std::ffi::c_int = 0;
-        // SAFETY: valid out-pointer.
-        check(
-            unsafe { sys::cuDeviceGetCount(&mut n) },
-            "cuDeviceGetCount",
-            "counting devices",
-        )?;
-        n.max(0) as usize
-    };
+/// The driver's handle of device `ordinal`, or an error naming how many devices there are.
+fn device(ordinal: usize) -> Result<sys::CUdevice> {
+    let count = device_count()?;
     if ordinal >= count {
         return Err(CudaError::InvalidArgument(format!(
             "CUDA device {ordinal} does not exist; this machine has {count} device(s)"
@@ -198,6 +183,18 @@ fn primary_context(ordinal: usize) -> Result<usize> {
         "cuDeviceGet",
         "opening the device",
     )?;
+    Ok(dev)
+}
+
+fn primary_context(ordinal: usize) -> Result<usize> {
+    let map = PRIMARY.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = map
+        .lock()
+        .map_err(|_| CudaError::InvalidArgument("context table poisoned".into()))?;
+    if let Some(&ctx) = map.get(&ordinal) {
+        return Ok(ctx);
+    }
+    let dev = device(ordinal)?;
     let mut ctx: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: valid out-pointer; retaining the primary context is reference counted and shares
     // the context PyTorch's runtime uses.
@@ -212,22 +209,7 @@ fn primary_context(ordinal: usize) -> Result<usize> {
 
 /// The compute capability `(major, minor)` of device `ordinal`, e.g. `(9, 0)` for an H100/H200.
 pub fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
-    init()?;
-    device_count().and_then(|count| {
-        if ordinal >= count {
-            return Err(CudaError::InvalidArgument(format!(
-                "CUDA device {ordinal} does not exist; this machine has {count} device(s)"
-            )));
-        }
-        Ok(())
-    })?;
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: valid out-pointer; ordinal checked above.
-    check(
-        unsafe { sys::cuDeviceGet(&mut dev, ordinal as std::ffi::c_int) },
-        "cuDeviceGet",
-        "opening the device",
-    )?;
+    let dev = device(ordinal)?;
     let attr = |a: sys::CUdevice_attribute| -> Result<i32> {
         let mut v: std::ffi::c_int = 0;
         // SAFETY: valid out-pointer and device handle.
@@ -244,7 +226,6 @@ pub fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
     ))
 }
 
-/// Turns a driver result code into a [`CudaError`], naming the call and what it was doing.
 /// Blocks the host until the work queued so far on `stream` (of the current context) completed.
 pub(crate) fn synchronize_stream(stream: Stream, context: &str) -> Result<()> {
     // SAFETY: `Stream` holds 0 or a live stream of the current context, alive while its owner is
@@ -256,6 +237,7 @@ pub(crate) fn synchronize_stream(stream: Stream, context: &str) -> Result<()> {
     )
 }
 
+/// Turns a driver result code into a [`CudaError`], naming the call and what it was doing.
 pub(crate) fn check(code: sys::CUresult, call: &'static str, context: &str) -> Result<()> {
     if code == sys::CUresult::CUDA_SUCCESS {
         return Ok(());
