@@ -190,7 +190,8 @@ class RssSampler:
 # -------------------------------------------------------------------------------------------------
 def write_rows(out: str, stem: str, doc: dict[str, Any], markdown: str) -> int:
     """Writes ``<stem>.json`` and ``<stem>.md`` into ``out``, prints the Markdown, and returns the
-    exit code: 0 when every row's output was exact (``row["exact"]``), else 1."""
+    exit code: 0 unless a row's output was not exact (``row["exact"]`` False; a row that failed to
+    run has none)."""
     import json
     from pathlib import Path
 
@@ -199,4 +200,4 @@ def write_rows(out: str, stem: str, doc: dict[str, Any], markdown: str) -> int:
     (folder / f"{stem}.json").write_text(json.dumps(doc, indent=2))
     (folder / f"{stem}.md").write_text(markdown)
     print(markdown)
-    return 0 if all(r["exact"] for r in doc["rows"]) else 1
+    return 0 if all(r.get("exact") is not False for r in doc["rows"]) else 1

@@ -5,8 +5,11 @@ as is on the linear route, then quantized with SDNQ (int8, uint4; ``sdnq`` must 
 GPL-3.0 and only this script and the tests use it) and streamed packed on the sdnq route, at each
 budget. Every format's roofline is ``max(its resident compute, streamed bytes / link)``, its
 resident compute measured in the same process; each offloaded step is compared with that format's
-resident output (``torch.equal``). Rows share one process (not isolated as in benchmarks.run), so
-host RSS is not reported per row: host memory is the slabs' bytes against the packed weights.
+resident output (``torch.equal``). Rows share one process (not isolated as in benchmarks.run); a
+row's host memory is the process's RSS once attached less its RSS with that model resident on the
+GPU (both after ``malloc_trim``), against the host slabs and the packed weights. ``--ddo`` adds the
+original DDO (``enable_offload``, which takes SDNQ layers to its ``sdnq_runtime``) at the first
+budget, last for each format (it keeps the model).
 
     python -m benchmarks.sdnq --budgets 2,4,8 --formats bf16,int8,uint4 --out DIR
     python -m benchmarks.sdnq --tiny --device cpu --out DIR      # the tests
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import gc
 import warnings
 from datetime import UTC, datetime
 from typing import Any
@@ -67,6 +72,43 @@ def _weights(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def host_rss() -> int:
+    """This process's RSS after a collection and ``malloc_trim`` (freed heap pages returned)."""
+    import psutil
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return int(psutil.Process().memory_info().rss)
+
+
+def _resident_rss(model: torch.nn.Module, device: torch.device) -> int:
+    """The RSS with ``model`` resident on ``device`` (its host copies freed), then ``model`` back on
+    the CPU: the baseline a row's host memory is measured from."""
+    model.to(device)
+    rss = host_rss()
+    model.to("cpu")
+    return rss
+
+
+def _peak_reset(device: torch.device):
+    def reset() -> None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+    return reset
+
+
+def _row(fmt: str, route: str, budget: int, timing: Any, roof: float, ref: torch.Tensor, model: torch.nn.Module,
+         device: torch.device, rss0: int, **extra: Any) -> dict[str, Any]:
+    return {"format": fmt, "route": route, "budget": budget, "step_s": timing.step_s,
+            "first_call_s": timing.first_call_s, "roofline_s": roof, "ratio": timing.step_s / roof,
+            "peak_gpu_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            "host_rss_bytes": host_rss() - rss0, "weight_bytes": _weights(model),
+            "exact": bool(torch.equal(timing.output, ref)), **extra}
+
+
 def _rows_for(model: torch.nn.Module, fmt: str, args: argparse.Namespace, device: torch.device,
               link: float) -> list[dict[str, Any]]:
     import ddo_blocks
@@ -80,28 +122,44 @@ def _rows_for(model: torch.nn.Module, fmt: str, args: argparse.Namespace, device
              "roofline_s": resident.step_s, "exact": True, "weight_bytes": _weights(model)}]
     route = "linear" if fmt == "bf16" else "sdnq"
     for budget in args.budgets:
+        rss0 = _resident_rss(model, device)
         handle = ddo_blocks.offload(model, route=route, vram_budget=budget, device=device, component="transformer")
-        peaks: dict[str, int] = {}
-
-        def reset() -> None:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-
-        timing = time_forward(lambda **kw: model(**kw)[0], x, device, repeats=args.repeats, after_warmup=reset,
-                              keep_output=True)
-        if device.type == "cuda":
-            peaks["gpu"] = torch.cuda.max_memory_allocated(device)
+        timing = time_forward(lambda **kw: model(**kw)[0], x, device, repeats=args.repeats,
+                              after_warmup=_peak_reset(device), keep_output=True)
         rep = handle.report()
-        streamed = rep["plan"]["streamed_bytes"]
-        roof = max(resident.step_s, streamed / link)
-        rows.append({"format": fmt, "route": handle.route, "budget": budget, "step_s": timing.step_s,
-                     "first_call_s": timing.first_call_s, "roofline_s": roof, "ratio": timing.step_s / roof,
-                     "streamed_bytes": streamed, "gpu_bytes": rep["plan"]["gpu_bytes"],
-                     "peak_gpu_allocated": peaks.get("gpu"), "host_slab_bytes": rep["plan"]["host_slab_bytes"],
-                     "pinned_bytes": rep["memory"]["pinned_bytes"], "weight_bytes": _weights(model),
-                     "exact": bool(torch.equal(timing.output, ref)), "report_efficiency": rep["roofline"]["efficiency"]})
+        plan, runtime = rep["plan"], rep["runtime"]
+        streamed = plan["streamed_bytes"]
+        rows.append(_row(
+            fmt, handle.route, budget, timing, max(resident.step_s, streamed / link), ref, model, device, rss0,
+            streamed_bytes=streamed, gpu_bytes=plan["gpu_bytes"], host_slab_bytes=plan["host_slab_bytes"],
+            pinned_bytes=rep["memory"]["pinned_bytes"], report_efficiency=rep["roofline"]["efficiency"],
+            slots=plan["slots"], slot_bytes=plan["slot_bytes"], units=plan["units"],
+            resident_units=plan["resident_units"], granularity=plan["unit_granularity"],
+            predicted_step_s=plan["predicted_step_s"],
+            calibrated_predicted_step_s=runtime["calibrated_predicted_step_s"],
+            compute_wait_s=runtime["compute_wait_s"]))
         handle.remove()
+    if args.ddo and fmt != "bf16":
+        rows.append(_ddo_row(model, fmt, args.budgets[0], x, ref, resident.step_s, args, device))
     return rows
+
+
+def _ddo_row(model: torch.nn.Module, fmt: str, budget: int, x: dict[str, Any], ref: torch.Tensor, resident_s: float,
+             args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The original DDO on this model (it keeps it: call last). A failure is a row that says why."""
+    from benchmarks.rows import _ddo_env
+    from benchmarks.worker import _attach_ddo
+
+    rss0 = _resident_rss(model, device)
+    spec = {"preset": "one_shot_fast", "env": _ddo_env(budget)}
+    try:
+        attached = _attach_ddo(model, spec, device, None)
+        timing = time_forward(lambda **kw: attached.module(**kw)[0], x, device, repeats=args.repeats,
+                              after_warmup=_peak_reset(device), keep_output=True)
+    except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
+        return {"format": fmt, "route": "ddo", "budget": budget, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    return _row(fmt, "ddo " + str(attached.info.get("ddo_route")), budget, timing, resident_s, ref, model, device,
+                rss0, call=attached.info.get("call"))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,15 +187,23 @@ def markdown(doc: dict[str, Any]) -> str:
              f"- date: {doc['date']}; command: `{doc['command']}`; link {doc['link_gb_s']:.1f} GB/s; step = median of "
              f"{doc['repeats']} timed calls after a warm-up; roofline = max(the format's resident step, streamed bytes "
              "/ link)", "",
-             "| format | route | budget | step s | roofline s | step / roofline | streamed | peak GPU alloc | "
-             "host slabs / weights | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| format | route | budget | step s | roofline s | step / roofline | calibrated s | slots | streamed | "
+             "peak GPU alloc | host slabs / weights | host RSS / slabs | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         budget = fmt_bytes(r["budget"]) if r["budget"] else "-"
+        if r.get("error"):
+            lines.append(f"| {r['format']} | {r['route']} | {budget} | failed: {r['error']} |" + " |" * 9)
+            continue
         ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "1.00x"
         slabs = f"{r['host_slab_bytes'] / r['weight_bytes']:.2f}" if r.get("host_slab_bytes") else "-"
+        rss = r.get("host_rss_bytes")
+        per_slab = f"{rss / r['host_slab_bytes']:.3f}" if rss is not None and r.get("host_slab_bytes") else (
+            fmt_bytes(rss) if rss is not None else "-")
+        cal = r.get("calibrated_predicted_step_s")
         lines.append(f"| {r['format']} | {r['route']} | {budget} | {r['step_s']:.3f} | {r['roofline_s']:.3f} | {ratio} | "
-                     f"{fmt_bytes(r.get('streamed_bytes'))} | {fmt_bytes(r.get('peak_gpu_allocated'))} | {slabs} | "
-                     f"{'yes' if r['exact'] else 'NO'} |")
+                     f"{f'{cal:.3f}' if cal else '-'} | {r.get('slots', '-')} | {fmt_bytes(r.get('streamed_bytes'))} | "
+                     f"{fmt_bytes(r.get('peak_gpu_allocated'))} | {slabs} | {per_slab} | {'yes' if r['exact'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default="bf16,int8,uint4")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="ddo_blocks' tiny transformer (CPU, tests)")
+    p.add_argument("--ddo", action="store_true", help="also the original DDO at the first budget (last per format)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
