@@ -139,9 +139,17 @@ def _rows_for(model: torch.nn.Module, fmt: str, args: argparse.Namespace, device
             calibrated_predicted_step_s=runtime["calibrated_predicted_step_s"],
             compute_wait_s=runtime["compute_wait_s"]))
         handle.remove()
+        _progress(rows[-1])
     if args.ddo and fmt != "bf16":
         rows.append(_ddo_row(model, fmt, args.budgets[0], x, ref, resident.step_s, args, device))
+        _progress(rows[-1])
     return rows
+
+
+def _progress(row: dict[str, Any]) -> None:
+    """One line per row as it finishes (a long run shows where it is)."""
+    what = row.get("error") or f"step {row['step_s']:.3f} s, {row['ratio']:.2f}x, exact {row['exact']}"
+    print(f"{row['format']} {row['route']} @ {row['budget'] / 2**30:.2f} GiB: {what}", flush=True)
 
 
 def _ddo_row(model: torch.nn.Module, fmt: str, budget: int, x: dict[str, Any], ref: torch.Tensor, resident_s: float,
