@@ -18,7 +18,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 GIB = 1 << 30
@@ -63,13 +63,18 @@ def sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fwd: Callable[..., Any], inputs: dict[str, Any], device: Any, n: int) -> tuple[list[float], Any]:
+def _timed(fwd: Callable[..., Any], inputs: dict[str, Any], device: Any, n: int,
+           host: list[float] | None = None) -> tuple[list[float], Any]:
+    """Wall seconds of ``n`` synchronised calls, and their output; ``host`` gets each call's host
+    seconds (until ``fwd`` returns, before the device is waited for)."""
     times, out = [], None
     for _ in range(n):
         del out
         sync(device)
         t = time.perf_counter()
         out = fwd(**inputs)
+        if host is not None:
+            host.append(time.perf_counter() - t)
         sync(device)
         times.append(time.perf_counter() - t)
     return times, out
@@ -90,11 +95,19 @@ class Timing:
     """The timed calls."""
     output: Any = None
     """The last call's output (``keep_output``)."""
+    host_times: list[float] = field(default_factory=list)
+    """Each timed call's host seconds: until the call returned, before the device was waited for
+    (close to the call's wall time when the host, not the device, sets the pace)."""
 
     @property
     def step_s(self) -> float:
         """The step: the median of the timed calls."""
         return statistics.median(self.times)
+
+    @property
+    def host_s(self) -> float | None:
+        """The median host seconds of the timed calls."""
+        return statistics.median(self.host_times) if self.host_times else None
 
 
 def time_forward(
@@ -122,8 +135,9 @@ def time_forward(
         sync(device)
         if after_warmup is not None:
             after_warmup()
-        times, out = _timed(fwd, inputs, device, repeats)
-    return Timing(first, times, out if keep_output else None)
+        host: list[float] = []
+        times, out = _timed(fwd, inputs, device, repeats, host)
+    return Timing(first, times, out if keep_output else None, host)
 
 
 # -------------------------------------------------------------------------------------------------

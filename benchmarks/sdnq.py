@@ -9,7 +9,10 @@ resident output (``torch.equal``). Rows share one process (not isolated as in be
 row's host memory is the process's RSS once attached less its RSS with that model resident on the
 GPU (both after ``malloc_trim``), against the host slabs and the packed weights. ``--ddo`` adds the
 original DDO (``enable_offload``, which takes SDNQ layers to its ``sdnq_runtime``) at the first
-budget, last for each format (it keeps the model).
+budget, last for each format (it keeps the model). SDNQ compiles its dequantizer per tensor shape
+(``torch.compile``, ``dynamic=False``): every row starts from an empty compile cache
+(``torch._dynamo.reset()``) and compiles in its two warm-up calls, so no row inherits another's
+graphs; the last row of each format is the resident run again, to show any drift within the process.
 
     python -m benchmarks.sdnq --budgets 2,4,8 --formats bf16,int8,uint4 --out DIR
     python -m benchmarks.sdnq --tiny --device cpu --out DIR      # the tests
@@ -100,12 +103,18 @@ def _peak_reset(device: torch.device):
     return reset
 
 
-def _row(fmt: str, route: str, budget: int, timing: Any, roof: float, ref: torch.Tensor, model: torch.nn.Module,
-         device: torch.device, rss0: int, **extra: Any) -> dict[str, Any]:
-    return {"format": fmt, "route": route, "budget": budget, "step_s": timing.step_s,
+def _timed(model: Any, x: dict[str, Any], args: argparse.Namespace, device: torch.device, **kw: Any) -> Any:
+    """The row's timing, from an empty compile cache (see the module docs)."""
+    torch._dynamo.reset()
+    return time_forward(lambda **k: model(**k)[0], x, device, repeats=args.repeats, warmup=2, **kw)
+
+
+def _row(fmt: str, route: str, budget: int | None, timing: Any, roof: float, ref: torch.Tensor,
+         model: torch.nn.Module, device: torch.device, rss0: int | None, **extra: Any) -> dict[str, Any]:
+    return {"format": fmt, "route": route, "budget": budget, "step_s": timing.step_s, "host_s": timing.host_s,
             "first_call_s": timing.first_call_s, "roofline_s": roof, "ratio": timing.step_s / roof,
             "peak_gpu_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            "host_rss_bytes": host_rss() - rss0, "weight_bytes": _weights(model),
+            "host_rss_bytes": host_rss() - rss0 if rss0 is not None else None, "weight_bytes": _weights(model),
             "exact": bool(torch.equal(timing.output, ref)), **extra}
 
 
@@ -115,17 +124,16 @@ def _rows_for(model: torch.nn.Module, fmt: str, args: argparse.Namespace, device
 
     x = _inputs(model, args, device)
     model.to(device)
-    resident = time_forward(lambda **kw: model(**kw)[0], x, device, repeats=args.repeats, keep_output=True)
+    resident = _timed(model, x, args, device, keep_output=True)
     ref = resident.output
     model.to("cpu")
-    rows = [{"format": fmt, "route": "resident", "budget": None, "step_s": resident.step_s,
-             "roofline_s": resident.step_s, "exact": True, "weight_bytes": _weights(model)}]
+    rows = [_row(fmt, "resident", None, resident, resident.step_s, ref, model, device, None)]
     route = "linear" if fmt == "bf16" else "sdnq"
     for budget in args.budgets:
         rss0 = _resident_rss(model, device)
-        handle = ddo_blocks.offload(model, route=route, vram_budget=budget, device=device, component="transformer")
-        timing = time_forward(lambda **kw: model(**kw)[0], x, device, repeats=args.repeats,
-                              after_warmup=_peak_reset(device), keep_output=True)
+        handle = ddo_blocks.offload(model, route=route, vram_budget=budget, device=device, component="transformer",
+                                    units=args.units)
+        timing = _timed(model, x, args, device, after_warmup=_peak_reset(device), keep_output=True)
         rep = handle.report()
         plan, runtime = rep["plan"], rep["runtime"]
         streamed = plan["streamed_bytes"]
@@ -140,6 +148,12 @@ def _rows_for(model: torch.nn.Module, fmt: str, args: argparse.Namespace, device
             compute_wait_s=runtime["compute_wait_s"]))
         handle.remove()
         _progress(rows[-1])
+    model.to(device)
+    rows.append(_row(fmt, "resident (again)", None, again := _timed(model, x, args, device, keep_output=True),
+                     resident.step_s, ref, model, device, None))
+    del again
+    model.to("cpu")
+    _progress(rows[-1])
     if args.ddo and fmt != "bf16":
         rows.append(_ddo_row(model, fmt, args.budgets[0], x, ref, resident.step_s, args, device))
         _progress(rows[-1])
@@ -148,8 +162,10 @@ def _rows_for(model: torch.nn.Module, fmt: str, args: argparse.Namespace, device
 
 def _progress(row: dict[str, Any]) -> None:
     """One line per row as it finishes (a long run shows where it is)."""
-    what = row.get("error") or f"step {row['step_s']:.3f} s, {row['ratio']:.2f}x, exact {row['exact']}"
-    print(f"{row['format']} {row['route']} @ {row['budget'] / 2**30:.2f} GiB: {what}", flush=True)
+    what = row.get("error") or (f"step {row['step_s']:.3f} s (host {row['host_s']:.3f} s), {row['ratio']:.2f}x, "
+                                f"exact {row['exact']}")
+    at = f" @ {row['budget'] / 2**30:.2f} GiB" if row.get("budget") else ""
+    print(f"{row['format']} {row['route']}{at}: {what}", flush=True)
 
 
 def _ddo_row(model: torch.nn.Module, fmt: str, budget: int, x: dict[str, Any], ref: torch.Tensor, resident_s: float,
@@ -162,8 +178,7 @@ def _ddo_row(model: torch.nn.Module, fmt: str, budget: int, x: dict[str, Any], r
     spec = {"preset": "one_shot_fast", "env": _ddo_env(budget)}
     try:
         attached = _attach_ddo(model, spec, device, None)
-        timing = time_forward(lambda **kw: attached.module(**kw)[0], x, device, repeats=args.repeats,
-                              after_warmup=_peak_reset(device), keep_output=True)
+        timing = _timed(attached.module, x, args, device, after_warmup=_peak_reset(device), keep_output=True)
     except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
         return {"format": fmt, "route": "ddo", "budget": budget, "error": f"{type(exc).__name__}: {exc}"[:500]}
     return _row(fmt, "ddo " + str(attached.info.get("ddo_route")), budget, timing, resident_s, ref, model, device,
@@ -193,15 +208,15 @@ def markdown(doc: dict[str, Any]) -> str:
 
     lines = [f"# SDNQ packed route vs bf16 streaming ({doc['gpu'] or doc['device']}, torch {doc['torch']})", "",
              f"- date: {doc['date']}; command: `{doc['command']}`; link {doc['link_gb_s']:.1f} GB/s; step = median of "
-             f"{doc['repeats']} timed calls after a warm-up; roofline = max(the format's resident step, streamed bytes "
+             f"{doc['repeats']} timed calls after two warm-up calls (host s: until each call returned); roofline = max(the format's resident step, streamed bytes "
              "/ link)", "",
-             "| format | route | budget | step s | roofline s | step / roofline | calibrated s | slots | streamed | "
-             "peak GPU alloc | host slabs / weights | host RSS / slabs | exact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| format | route | budget | step s | host s | roofline s | step / roofline | calibrated s | units | slots "
+             "| streamed | peak GPU alloc | host slabs / weights | host RSS / slabs | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         budget = fmt_bytes(r["budget"]) if r["budget"] else "-"
         if r.get("error"):
-            lines.append(f"| {r['format']} | {r['route']} | {budget} | failed: {r['error']} |" + " |" * 9)
+            lines.append(f"| {r['format']} | {r['route']} | {budget} | failed: {r['error']} |" + " |" * 11)
             continue
         ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "1.00x"
         slabs = f"{r['host_slab_bytes'] / r['weight_bytes']:.2f}" if r.get("host_slab_bytes") else "-"
@@ -209,8 +224,11 @@ def markdown(doc: dict[str, Any]) -> str:
         per_slab = f"{rss / r['host_slab_bytes']:.3f}" if rss is not None and r.get("host_slab_bytes") else (
             fmt_bytes(rss) if rss is not None else "-")
         cal = r.get("calibrated_predicted_step_s")
-        lines.append(f"| {r['format']} | {r['route']} | {budget} | {r['step_s']:.3f} | {r['roofline_s']:.3f} | {ratio} | "
-                     f"{f'{cal:.3f}' if cal else '-'} | {r.get('slots', '-')} | {fmt_bytes(r.get('streamed_bytes'))} | "
+        host = f"{r['host_s']:.3f}" if r.get("host_s") is not None else "-"
+        units = f"{r['units']} {r['granularity']}" if r.get("units") else "-"
+        lines.append(f"| {r['format']} | {r['route']} | {budget} | {r['step_s']:.3f} | {host} | {r['roofline_s']:.3f} | "
+                     f"{ratio} | {f'{cal:.3f}' if cal else '-'} | {units} | {r.get('slots', '-')} | "
+                     f"{fmt_bytes(r.get('streamed_bytes'))} | "
                      f"{fmt_bytes(r.get('peak_gpu_allocated'))} | {slabs} | {per_slab} | {'yes' if r['exact'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
@@ -224,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default="bf16,int8,uint4")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="ddo_blocks' tiny transformer (CPU, tests)")
+    p.add_argument("--units", default="auto", help="unit granularity of our rows: auto, block or child")
     p.add_argument("--ddo", action="store_true", help="also the original DDO at the first budget (last per format)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
