@@ -8,7 +8,8 @@ resident compute measured in the same process; each offloaded step is compared w
 resident output (``torch.equal``). Rows share one process (not isolated as in benchmarks.run); a
 row's host memory is the process's RSS once attached less its RSS with that model resident on the
 GPU (both after ``malloc_trim``), against the host slabs and the packed weights. ``--ddo`` adds the
-original DDO (``enable_offload``, which takes SDNQ layers to its ``sdnq_runtime``) at the first
+original DDO (``enable_offload(..., route="dynamic_offload")``, which takes SDNQ layers to its
+``sdnq_runtime``) at the first
 budget, last for each format (it keeps the model). SDNQ compiles its dequantizer per tensor shape
 (``torch.compile``, ``dynamic=False``): every row starts from an empty compile cache
 (``torch._dynamo.reset()``) and compiles in its two warm-up calls, so no row inherits another's
@@ -175,7 +176,9 @@ def _ddo_row(model: torch.nn.Module, fmt: str, budget: int, x: dict[str, Any], r
     from benchmarks.worker import _attach_ddo
 
     rss0 = _resident_rss(model, device)
-    spec = {"preset": "one_shot_fast", "env": _ddo_env(budget)}
+    # route="dynamic_offload": DDO's own runtime, which takes SDNQ layers to its sdnq_runtime (its auto
+    # route hands quantized modules to diffusers group offloading instead)
+    spec = {"preset": "one_shot_fast", "route": "dynamic_offload", "env": _ddo_env(budget)}
     try:
         attached = _attach_ddo(model, spec, device, None)
         timing = _timed(attached.module, x, args, device, after_warmup=_peak_reset(device), keep_output=True)

@@ -370,6 +370,8 @@ def _attach_ddo(model, spec, dev, ctx) -> Attached:
     if fn is None:
         raise RuntimeError("diffusers_dynamic_offloader has no enable_offload()")
     kwargs: dict[str, Any] = {"preset": spec["preset"], "component": "transformer"}
+    if spec.get("route"):
+        kwargs["route"] = spec["route"]
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):

@@ -136,3 +136,29 @@ def test_from_pretrained_keeps_the_checkpoint_dtype_when_none_is_given(tmp_path)
     plain = {p.dtype for p in handle.module.parameters() if id(p) not in packed}
     assert plain == {torch.bfloat16}, plain  # as saved, not diffusers' float32 default
     handle.remove()
+
+
+@pytest.mark.parametrize("weights_dtype", ["int8", "uint4"])
+def test_the_plan_estimates_compute_from_the_dequantized_weights(weights_dtype):
+    # a packed layer computes with its dequantized weight: the planner's compute estimate (before the
+    # first call measures it) counts those bytes, not the fewer it streams, so a compute-bound packed
+    # model is not planned as if it were transfer-bound
+    from ddo_blocks.routes.sdnq import dense_bytes, is_sdnq_layer, unit_compute_bytes
+    from ddo_blocks.units import split_units
+
+    dense = tiny_flux_transformer(dtype=torch.bfloat16)
+    model = quantized(weights_dtype)
+    layers = 0
+    for layer, ref in zip(dict(model.named_modules()).values(), dict(dense.named_modules()).values()):
+        if is_sdnq_layer(layer):
+            layers += 1
+            others = sum(p.numel() * p.element_size() for n, p in layer.named_parameters(recurse=False) if n != "weight")
+            assert dense_bytes(layer) - others == ref.weight.numel() * ref.weight.element_size()
+    assert layers > 0
+    units, _ = split_units(model, "block")
+    stored = [u.nbytes for u in units]
+    estimated = unit_compute_bytes(units)
+    assert all(e >= s for e, s in zip(estimated, stored)) and sum(estimated) > 1.5 * sum(stored)
+    # the dense model's bytes, plus the scales (and zero points) the packed layers also read
+    dense_units, _ = split_units(dense, "block")
+    assert all(d <= e <= 1.2 * d for e, d in zip(estimated, (u.nbytes for u in dense_units)))

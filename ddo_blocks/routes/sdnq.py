@@ -79,6 +79,30 @@ def check(module: nn.Module | None = None, budget: int | None = None, device: to
         )
 
 
+def dense_bytes(layer: nn.Module) -> int:
+    """The bytes an SDNQ layer computes with: its weight dequantized (``original_shape`` in
+    ``result_dtype``, as its dequantizer describes it), plus its other parameters as stored. The
+    planner's compute estimate before the first call measures it; the packed bytes would make a
+    compute-bound model look transfer-bound."""
+    deq = layer.sdnq_dequantizer
+    shape, dtype = getattr(deq, "original_shape", None), getattr(deq, "result_dtype", None)
+    weight = getattr(layer, "weight", None)
+    if shape is None or not isinstance(dtype, torch.dtype) or weight is None:
+        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
+    rest = sum(p.numel() * p.element_size() for n, p in layer.named_parameters(recurse=False) if n != "weight")
+    return int(torch.Size(shape).numel()) * dtype.itemsize + rest
+
+
+def unit_compute_bytes(units: list[Any]) -> list[int]:
+    """Per unit, its dense bytes: SDNQ layers dequantized, the other parameters as stored."""
+    out = []
+    for unit in units:
+        packed = {id(p) for m in unit.module.modules() if is_sdnq_layer(m) for p in m.parameters(recurse=False)}
+        dense = sum(dense_bytes(m) for m in unit.module.modules() if is_sdnq_layer(m))
+        out.append(dense + sum(p.numel() * p.element_size() for _, p in unit.params if id(p) not in packed))
+    return out
+
+
 def report_fields(layers: list[tuple[str, nn.Module]]) -> dict[str, dict[str, Any]]:
     """The packed layers, for the report's plan section."""
     packed = sum(p.numel() * p.element_size() for _, m in layers for p in m.parameters(recurse=False))
@@ -104,7 +128,8 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
         chosen = SPEC.preset_map[req.preset]
     fields = report_fields(sdnq_layers(req.module))
     return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=stores.HostSlabs,
-                                   loader=req.loader, units=units, extra_sections=lambda: fields)
+                                   loader=req.loader, units=units, compute_bytes=unit_compute_bytes,
+                                   extra_sections=lambda: fields)
 
 
 PRESETS = (

@@ -49,6 +49,8 @@ class StreamingEngine:
             taken from the budget before planning.
         link_bytes: per unit, the bytes a fetch sends over the link, when the store sends fewer than
             the unit's size (the codec's estimate): the planner schedules with them.
+        compute_bytes: per unit, the bytes its compute is estimated from before it is measured, when
+            not its size (the sdnq route: its layers' dequantized weights).
         extra_sections: the route's own report fields (the sdnq route: its packed layers).
     """
 
@@ -58,6 +60,7 @@ class StreamingEngine:
     def __init__(self, module: nn.Module, preset: Preset, budget: int | None, device: torch.device, *,
                  store: Callable[[StreamingEngine], Any], loader: Any = None, units: str = "auto",
                  reserve_bytes: int = 0, link_bytes: plan.LinkBytes | None = None,
+                 compute_bytes: plan.ComputeBytes | None = None,
                  extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None):
         self.module = module
         self.preset = preset
@@ -66,7 +69,7 @@ class StreamingEngine:
         self.loader = loader
         self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
         self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes,
-                                     link_bytes)
+                                     link_bytes, compute_bytes)
         self.plan = self.unit_plan.native
         self.granularity = self.unit_plan.granularity
         self.units = self.unit_plan.units

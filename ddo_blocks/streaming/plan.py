@@ -62,32 +62,41 @@ def unit_sizes(units: list[Unit]) -> list[int]:
 LinkBytes = Callable[[list[Unit]], list[int]]
 """Per unit, the bytes it sends over the link when streamed (a codec's estimate)."""
 
+ComputeBytes = Callable[[list[Unit]], list[int]]
+"""Per unit, the bytes its compute is estimated from, when not its stored size: a packed layer
+(SDNQ) computes with its dequantized weight, so its compute scales with that, not with the bytes
+it streams."""
+
 
 def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch.device, link: float,
-          preset: Preset, link_bytes: LinkBytes | None = None) -> UnitPlan:
+          preset: Preset, link_bytes: LinkBytes | None = None, compute_bytes: ComputeBytes | None = None) -> UnitPlan:
     units, leftovers = split_units(module, granularity)
     base = sum(tensor_nbytes(p) for _, p in leftovers) + buffer_bytes(module)
     sizes = unit_sizes(units)
     sent = link_bytes(units) if link_bytes is not None else None
+    rate = bandwidth.compute_bytes_per_s(device, link)
     native = _native.plan(
         sizes,
         base_bytes=base,
         budget_bytes=budget,
         link_bytes_per_s=link,
-        compute_bytes_per_s=bandwidth.compute_bytes_per_s(device, link),
+        compute_bytes_per_s=rate,
         min_slots=preset.min_slots,
         max_slots=preset.max_slots,
+        unit_compute_s=[b / rate for b in compute_bytes(units)] if compute_bytes is not None else None,
         link_bytes=sent,
     )
     return UnitPlan(granularity, units, leftovers, sizes, base, native, sent)
 
 
 def choose(module: nn.Module, budget: int | None, device: torch.device, link: float, preset: Preset,
-           units: str = "auto", reserve: int = 0, link_bytes: LinkBytes | None = None) -> UnitPlan:
+           units: str = "auto", reserve: int = 0, link_bytes: LinkBytes | None = None,
+           compute_bytes: ComputeBytes | None = None) -> UnitPlan:
     """Blocks as units, unless the budget needs smaller units or the planner predicts a clearly
     faster step with each block's children as units (smaller slots leave more budget resident).
     ``reserve``: device bytes needed beside the weights and slots (a codec's landing buffers);
-    ``link_bytes``: what each unit sends over the link, when not its size (a codec)."""
+    ``link_bytes``: what each unit sends over the link, when not its size (a codec);
+    ``compute_bytes``: what each unit's compute is estimated from, when not its size (packed layers)."""
     if reserve and budget is not None:
         if budget <= reserve:
             raise BudgetError(
@@ -95,22 +104,23 @@ def choose(module: nn.Module, budget: int | None, device: torch.device, link: fl
                 f"codec needs; pass a larger vram_budget (vram_budget='min' finds the smallest) or codec='off'"
             )
         try:
-            return choose(module, budget - reserve, device, link, preset, units, link_bytes=link_bytes)
+            return choose(module, budget - reserve, device, link, preset, units, link_bytes=link_bytes,
+                          compute_bytes=compute_bytes)
         except BudgetError as exc:
             raise BudgetError(
                 f"{exc} (after the {fmt_bytes(reserve)} of landing buffers the codec needs: add them to the "
                 "budget, or pass codec='off')"
             ) from exc
     if check_granularity(units) != "auto":
-        return _plan(module, units, budget, device, link, preset, link_bytes)
+        return _plan(module, units, budget, device, link, preset, link_bytes, compute_bytes)
     try:
-        block = _plan(module, "block", budget, device, link, preset, link_bytes)
+        block = _plan(module, "block", budget, device, link, preset, link_bytes, compute_bytes)
     except BudgetError:
         # its error, if any, names the lower minimum
-        return _plan(module, "child", budget, device, link, preset, link_bytes)
+        return _plan(module, "child", budget, device, link, preset, link_bytes, compute_bytes)
     if block.native.slots == 0:
         return block  # everything fits: nothing streams
-    child = _plan(module, "child", budget, device, link, preset, link_bytes)
+    child = _plan(module, "child", budget, device, link, preset, link_bytes, compute_bytes)
     if len(child.units) > len(block.units) and child.native.predicted_step_s < 0.97 * block.native.predicted_step_s:
         return child
     return block
