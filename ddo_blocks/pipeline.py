@@ -141,6 +141,8 @@ def _device_bytes(policy: Any, module: nn.Module) -> int:
     keep no weights there between calls (``diffusers``: one group while it runs, ``off``)."""
     spec = routes.get(policy.route)
     if spec.streams:
+        if policy.vram_budget == "auto":  # sized at attach from the free memory: at most everything
+            return device_bytes(module)
         if policy.vram_budget == "min":
             return minimum_budget(module, units=policy.options.get("units", "auto"),
                                       codec=policy.options.get("codec", "off"))
@@ -157,6 +159,13 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
     policies: dict[str, OffloadPolicy] = {}
     for name, value in given.items():
         policies[name] = OffloadPolicy.parse(value, default=OffloadPolicy(), where=f"component {name!r}")
+    auto = [n for n, p in policies.items() if p.vram_budget == "auto"]
+    if auto and budget is not None:
+        raise ConfigError(
+            f"vram_budget='auto' for {', '.join(auto)} sizes a component from the device's free memory, which "
+            f"a pipeline budget of {fmt_bytes(budget)} would not bound; give those components bytes or 'min', or "
+            "leave the pipeline's vram_budget unset"
+        )
     used: list[tuple[str, int, str]] = []  # (component, device bytes, route)
     for name, module in modules.items():
         if name == denoiser:
@@ -198,7 +207,9 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
     Args:
         pipe: a ``DiffusionPipeline`` (``FluxPipeline``, ``WanPipeline``, ...), components on the CPU.
         vram_budget: bytes or a string such as ``"8GiB"`` for all the components' weights on the device
-            together (activations come on top). ``None``: no limit (everything resident).
+            together (activations come on top). ``None``: no limit (everything resident). A component's
+            own policy may take ``"min"`` or ``"auto"`` (``transformer={"vram_budget": "auto"}``), the
+            latter only without a pipeline budget.
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
         preset: the linear route's preset for the denoiser.
         **components: a policy for any component by name (``text_encoder_2="diffusers"``,
@@ -222,6 +233,12 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
     if not modules:
         raise ConfigError(f"{type(pipe).__name__} has no component with weights to offload")
     _check_not_offloaded(modules, components)
+    if vram_budget in ("auto", "min"):
+        raise ConfigError(
+            f"offload_pipeline(vram_budget={vram_budget!r}): the pipeline's budget is bytes or a size such as "
+            f"'8GiB' shared by its components; {vram_budget!r} is a budget of one component: pass it per component "
+            f"(transformer={{'vram_budget': {vram_budget!r}}})"
+        )
     budget = parse_bytes(vram_budget, what="vram_budget")
     dev = resolve_device(device)
     routes.resolve("linear", preset)

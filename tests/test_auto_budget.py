@@ -138,3 +138,41 @@ def test_enable_offload_without_a_budget_means_auto(device_memory, monkeypatch):
     result = ddo_blocks.enable_offload(model, preset="auto", device="cpu")
     assert result.handle.auto is not None and result.handle.vram_budget == int(0.4 * _weights(model))
     result.handle.remove()
+
+
+def test_auto_in_a_block_policy_and_a_pipeline_component(device_memory, flux_dir):
+    from diffusers import FluxPipeline
+
+    from ddo_blocks.blocks.policy import OffloadPolicy
+    from ddo_blocks.tiny_pipeline import load_components
+
+    assert OffloadPolicy(vram_budget="auto").vram_budget == "auto"
+    with pytest.raises(ddo_blocks.ConfigError, match="vram_budget='auto' is a budget of a route that streams .* "
+                                                      "route 'resident' does not stream"):
+        OffloadPolicy(route="resident", vram_budget="auto")
+    pipe = FluxPipeline(**load_components(flux_dir))
+    with torch.no_grad():
+        ref = pipe("a cat", num_inference_steps=2, height=32, width=32, output_type="pt",
+                   generator=torch.Generator().manual_seed(0)).images
+    w = _weights(pipe.transformer)
+    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
+    with pytest.raises(ddo_blocks.ConfigError, match="pipeline budget of .* would not bound"):
+        ddo_blocks.offload_pipeline(pipe, vram_budget="1GiB", device="cpu", transformer={"vram_budget": "auto"})
+    with pytest.raises(ddo_blocks.ConfigError, match="'auto' is a budget of one component: pass it per component"):
+        ddo_blocks.offload_pipeline(pipe, vram_budget="auto", device="cpu")
+    with ddo_blocks.offload_pipeline(pipe, device="cpu", transformer={"vram_budget": "auto"}) as off:
+        handle = off.handles["transformer"]
+        assert handle.vram_budget == int(0.4 * w) and handle.report()["plan"]["streamed_units"] > 0
+        for _ in range(2):
+            with torch.no_grad():
+                out = pipe("a cat", num_inference_steps=2, height=32, width=32, output_type="pt",
+                           generator=torch.Generator().manual_seed(0)).images
+            assert torch.equal(out, ref)
+        assert off.handles["transformer"].report()["auto_budget"]["replanned_budget_bytes"] is not None
+
+
+@pytest.fixture(scope="module")
+def flux_dir():
+    from ddo_blocks.tiny_pipeline import ensure_tiny_model
+
+    return ensure_tiny_model("flux")

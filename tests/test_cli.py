@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import ddo_blocks
@@ -71,15 +72,24 @@ def _stage_args(preset: str, stage: str, **given):
     return ns, argparse.Namespace(sub_blocks={stage: None})
 
 
-def test_budget_min_is_for_the_routes_that_stream():
-    import pytest
-
+@pytest.mark.parametrize("budget", ["min", "auto"])
+def test_budget_min_and_auto_are_for_the_routes_that_stream(budget):
     from ddo_blocks.blocks.runner import stage_policies
 
-    ns, blocks = _stage_args("off", "text_encoder", route="resident", budget="min")
-    with pytest.raises(ddo_blocks.ConfigError, match="budget min applies to the routes that stream \\(linear, nvme, sdnq\\); "
-                                                      "route 'resident' was asked"):
+    ns, blocks = _stage_args("off", "text_encoder", route="resident", budget=budget)
+    with pytest.raises(ddo_blocks.ConfigError, match=f"budget {budget} applies to the routes that stream "
+                                                      "\\(linear, nvme, sdnq\\); route 'resident' was asked"):
         stage_policies(ns, {}, blocks)
+
+
+def test_budget_auto_on_the_command_line_reaches_the_policy():
+    from ddo_blocks.blocks.policy import OffloadPolicy
+    from ddo_blocks.blocks.runner import stage_policies
+
+    ns, blocks = _stage_args("auto", "denoise", route="linear", budget="auto")
+    policy = OffloadPolicy.parse(stage_policies(ns, {}, blocks)["denoise"])
+    assert policy.vram_budget == "auto" and policy.offload_kwargs()["vram_budget"] == "auto"
+    assert "budget auto" in policy.describe()
 
 
 def test_a_model_of_another_family_is_named(tmp_path):

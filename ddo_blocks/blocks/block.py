@@ -239,7 +239,7 @@ class OffloadBlock(ModularPipelineBlocks):
                     "already loaded; load it with ddo_blocks.from_pretrained(..., route='nvme') and pass it to the "
                     "pipeline with route='off', or use route='linear'"
                 )
-            if spec.streams and policy.vram_budget not in (None, "min"):
+            if spec.streams and policy.vram_budget not in (None, "min", "auto"):
                 need = minimum_budget(module, units=policy.options.get("units", "auto"),
                                       codec=policy.options.get("codec", "off"))
                 if policy.vram_budget < need:

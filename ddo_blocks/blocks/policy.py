@@ -29,6 +29,10 @@ POLICY_KEYS = ("route", "preset", "vram_budget", "release")
 that needs the model's files (nvme) cannot place a block's already-loaded component: placing one
 raises ConfigError pointing to ``ddo_blocks.from_pretrained(..., route="nvme")``."""
 
+SYMBOLIC_BUDGETS = ("min", "auto")
+"""Budgets resolved for each component when it is placed: ``"min"`` (its smallest plan) and
+``"auto"`` (from the free device memory, ``ddo_blocks.autobudget``)."""
+
 
 def _route_options(route: str) -> tuple[str, ...]:
     return routes.get(route).options
@@ -43,7 +47,9 @@ class OffloadPolicy:
             model's files: ``from_pretrained``); ``python -m ddo_blocks presets`` lists them.
         preset: a preset of that route, or ``"auto"``.
         vram_budget: bytes, or a string such as ``"6GiB"``, for this component's weights on the device
-            (activations come on top). ``None``: no limit. Only the linear route streams within a budget.
+            (activations come on top). ``None``: no limit. ``"min"``: the smallest plan; ``"auto"``: the
+            budget picks itself from the free device memory and the first call's activations (as in
+            ``ddo_blocks.offload``). Only the routes that stream (linear, sdnq) take a budget.
         release: after the stage, take the component's weights off the device so the next stage has the
             room (the handle is removed and placed again on the next run). Group offloading (route
             ``diffusers``) already leaves nothing on the device between calls, so it ignores this.
@@ -56,16 +62,17 @@ class OffloadPolicy:
     route: str = "linear"
     preset: str = "auto"
     vram_budget: int | str | None = None
-    """Bytes after parsing, ``None`` (no limit) or ``"min"``."""
+    """Bytes after parsing, ``None`` (no limit), ``"min"`` or ``"auto"``."""
     release: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         routes.resolve(self.route, self.preset)  # names first: the errors list the valid ones
-        if self.vram_budget == "min":  # resolved for each component when it is placed
+        if self.vram_budget in SYMBOLIC_BUDGETS:  # resolved for each component when it is placed
             if not routes.get(self.route).streams:
-                raise ConfigError(f"vram_budget='min' is the smallest plan of a route that streams; route "
-                                  f"{self.route!r} does not stream")
+                raise ConfigError(f"vram_budget={self.vram_budget!r} is a budget of a route that streams "
+                                  f"({', '.join(n for n, r in routes.REGISTRY.items() if r.streams)}); route "
+                                  f"{self.route!r} does not stream: pass bytes, a size such as '6GiB', or None")
         else:
             object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget, what="vram_budget"))
         if not isinstance(self.release, bool):
@@ -100,7 +107,8 @@ class OffloadPolicy:
     def describe(self) -> str:
         bits = [self.route if self.preset == "auto" else f"{self.route}/{self.preset}"]
         if self.vram_budget is not None:
-            bits.append(f"budget {self.vram_budget if self.vram_budget == 'min' else fmt_bytes(self.vram_budget)}")
+            symbolic = self.vram_budget in SYMBOLIC_BUDGETS
+            bits.append(f"budget {self.vram_budget if symbolic else fmt_bytes(self.vram_budget)}")
         bits += [f"{k}={v}" for k, v in sorted(self.options.items())]
         if self.release:
             bits.append("release")

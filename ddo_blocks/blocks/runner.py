@@ -68,9 +68,10 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
         g.add_argument(f"--{flag}-preset", dest=f"{stage}_preset", default=None,
                        help="preset of that route (default: the route's auto); `python -m ddo_blocks presets`")
         g.add_argument(f"--{flag}-budget", dest=f"{stage}_budget", default=None,
-                       help="VRAM budget per component for the linear route, e.g. 6GiB, or 'min' for the "
-                            "smallest plan: the always-resident weights plus two slots of the largest unit "
-                            "(blocks or their children, whichever needs less)")
+                       help="VRAM budget per component for the routes that stream, e.g. 6GiB; 'min' for the "
+                            "smallest plan (the always-resident weights plus two slots of the largest unit, "
+                            "blocks or their children, whichever needs less); 'auto': half the free device "
+                            "memory, then what the first call's activations leave")
         g.add_argument(f"--{flag}-codec", dest=f"{stage}_codec", default=None, choices=("off", "fixed"),
                        help="lossless compressed transfer for the linear route: fixed = bf16 weights sent at 12 bits "
                             "and decoded on the GPU (default: off)")
@@ -116,9 +117,9 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
             route = job.routes.get(stage)
             preset = preset if preset is not None else job.presets.get(stage)
             budget = budget if budget is not None else job.budgets.get(stage)
-        if budget == "min" and route is not None and not routes.get(route).streams:
+        if budget in ("min", "auto") and route is not None and not routes.get(route).streams:
             streaming = ", ".join(n for n, spec in routes.REGISTRY.items() if spec.streams)
-            raise ConfigError(f"--{stage.replace('_', '-')}-budget min applies to the routes that stream "
+            raise ConfigError(f"--{stage.replace('_', '-')}-budget {budget} applies to the routes that stream "
                               f"({streaming}); route {route!r} was asked")
         if route is None and preset is None and budget is None and offload_type is None and codec is None:
             continue
