@@ -31,6 +31,7 @@ pub mod layout;
 pub mod planner;
 pub mod reads;
 pub mod simulate;
+pub mod tiered;
 pub mod units;
 
 pub use cache::{plan_ram_cache, RamCachePlan, RamCacheRequest};
