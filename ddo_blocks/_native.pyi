@@ -149,21 +149,31 @@ class CodedUnit:
     @property
     def escapes(self) -> int: ...
     @property
-    def coded_pieces(self) -> list[tuple[int, int, int, int, int]]:
-        """``(src, len, dst, values, escapes)`` per coded chunk."""
+    def coded_pieces(self) -> list[tuple[int, int, int, int, int, int | None]]:
+        """``(src, len, dst, values, escapes, groups)`` per coded chunk (``groups``: tier-2 groups of the
+        two-tier code, ``None`` for the fixed-rate code)."""
+    @property
+    def code(self) -> str:
+        """``"tiered"`` or ``"fixed"``."""
     @property
     def raw_pieces(self) -> list[tuple[int, int, int]]:
         """``(src, len, dst)`` per raw piece."""
 
 def codec_count_escapes(tensors: Sequence[tuple[int, int]]) -> list[list[list[int]]]:
     """Escapes of each ``(address, values)`` bf16 tensor, per chunk, per range of ``CODEC_SUB_ELEMS`` values."""
+def codec_count_tiered(tensors: Sequence[tuple[int, int]]) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+    """The two-tier code's ``(escapes, tier-2 groups)`` of each bf16 tensor, in codec_count_escapes' shape."""
 def layout_coded_unit(tensors: Sequence[tuple[int, int, bool]], escapes: Sequence[Sequence[Sequence[int]]],
-                      max_chunk_bytes: int) -> CodedUnit:
-    """``tensors``: ``(slot_offset, nbytes, is_bf16)``; ``escapes``: per bf16 tensor, from codec_count_escapes."""
+                      max_chunk_bytes: int, groups: Sequence[Sequence[Sequence[int]]] | None = None) -> CodedUnit:
+    """``tensors``: ``(slot_offset, nbytes, is_bf16)``; ``escapes``: per bf16 tensor, from codec_count_escapes
+    (or codec_count_tiered, whose ``groups`` select the two-tier code)."""
 def codec_encode_unit(unit: CodedUnit, tensors: Sequence[tuple[int, int]], dst: int) -> None: ...
 def codec_decode_unit(unit: CodedUnit, src: int, tensors: Sequence[tuple[int, int]]) -> None: ...
-def codec_decode_device(device: int, stream: int, chunk: int, out: int, values: int, escapes: int) -> None:
+def codec_decode_device(device: int, stream: int, chunk: int, out: int, values: int, escapes: int,
+                        groups: int | None = None) -> None:
     """Queues the GPU decode of one coded chunk (device addresses) on ``stream``."""
+def codec_decode_host(src: int, length: int, out: int, values: int, escapes: int, groups: int | None = None) -> None:
+    """Decodes one coded chunk (host addresses) with the reference decoder."""
 
 # planning: every result is a frozen class (read-only attributes, __repr__, __eq__; to_dict() for reports)
 class Plan:

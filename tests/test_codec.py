@@ -1,7 +1,8 @@
-"""The lossless fixed-rate codec (``codec="fixed"`` on the linear route) on the CPU engine: outputs
+"""The lossless codecs (``codec="fixed"`` and ``"tiered"`` on the linear route) on the CPU engine: outputs
 bit-identical to the resident run at every budget, weights restored bit for bit with their strides,
 the report's codec figures, the edge values the code must carry, and bad input refused with the
-module untouched. The codec's bit-level round trips are Rust tests (``ddo-core``'s ``codec``)."""
+module untouched. The codes' bit-level round trips are Rust tests (``ddo-core``'s ``codec`` and
+``tiered``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
 from .helpers import assert_restored, budgets, snapshot
 
 
+CODED = ["fixed", "tiered"]
+RATIO = {"fixed": (0.70, 0.80), "tiered": (0.62, 0.72)}
+
+
 def bf16_flux(**kw):
     """About 4 MiB of bf16 weights, most tensors large enough to be coded."""
     cfg = dict(num_attention_heads=4, attention_head_dim=32, joint_attention_dim=64, axes_dims_rope=(4, 14, 14))
@@ -27,23 +32,25 @@ def _ref(model, x):
         return model(**x)[0]
 
 
+@pytest.mark.parametrize("codec", CODED)
 @pytest.mark.parametrize("budget_name", ["all_streamed", "half", "all_resident"])
-def test_coded_forward_is_exact_at_every_budget_and_remove_restores(budget_name):
+def test_coded_forward_is_exact_at_every_budget_and_remove_restores(budget_name, codec):
     model = bf16_flux()
     x = flux_inputs(model)
     ref = _ref(model, x)
     snap = snapshot(model)
     budget = budgets(model)[budget_name]
-    handle = ddo_blocks.offload(model, vram_budget=budget, device="cpu", codec="fixed")
+    handle = ddo_blocks.offload(model, vram_budget=budget, device="cpu", codec=codec)
     with torch.no_grad():
         outs = [model(**x)[0] for _ in range(3)]
     assert all(torch.equal(o, ref) for o in outs)
     report = handle.report()
     c = report["codec"]
     if report["plan"]["streamed_units"]:
-        assert c["codec"] == "fixed" and c["coded_units"] == report["plan"]["streamed_units"]
+        assert c["codec"] == codec and c["coded_units"] == report["plan"]["streamed_units"]
         assert c["raw_bytes"] == sum(p.numel() * 2 for u in handle.engine.streamed for _, p in u.params)
-        assert 0.70 < c["ratio"] < 0.80, c
+        lo, hi = RATIO[codec]
+        assert lo < c["ratio"] < hi, c
         # what one call sends over the link is the coded size, not the weights'
         assert report["runtime"]["h2d_call_bytes"] == c["link_call_bytes"] == c["host_bytes"]
     handle.remove()
@@ -66,7 +73,8 @@ def test_minimum_budget_with_the_codec_runs_and_between_calls_weights_are_placeh
     assert not torch.isnan(streamed).any()
 
 
-def test_edge_values_strides_and_mixed_dtypes_come_back_exact():
+@pytest.mark.parametrize("codec", CODED)
+def test_edge_values_strides_and_mixed_dtypes_come_back_exact(codec):
     model = bf16_flux()
     blocks = model.transformer_blocks
     with torch.no_grad():
@@ -88,7 +96,7 @@ def test_edge_values_strides_and_mixed_dtypes_come_back_exact():
     bits = {n: p.detach().clone().view(torch.uint8) if p.is_contiguous() else p.detach().clone()
             for n, p in model.named_parameters()}
     params = dict(model.named_parameters())
-    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed", units="block")
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec=codec, units="block")
     assert handle.report()["codec"]["escapes"] >= 512
     with torch.no_grad():
         out = model(**x)[0]

@@ -21,6 +21,7 @@ from .. import routes
 from ..budget import fmt_bytes
 from ..errors import ConfigError
 from ..report import Report
+from ..streaming.coded import CODECS
 from .block import REPORTS_KEY, remove_offload, validate
 from .policy import PIPELINE_PRESETS
 from .wrap import wrap
@@ -72,9 +73,9 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
                             "smallest plan (the always-resident weights plus two slots of the largest unit, "
                             "blocks or their children, whichever needs less); 'auto': half the free device "
                             "memory, then what the first call's activations leave")
-        g.add_argument(f"--{flag}-codec", dest=f"{stage}_codec", default=None, choices=("off", "fixed"),
-                       help="lossless compressed transfer for the linear route: fixed = bf16 weights sent at 12 bits "
-                            "and decoded on the GPU (default: off)")
+        g.add_argument(f"--{flag}-codec", dest=f"{stage}_codec", default=None, choices=CODECS,
+                       help="lossless compressed transfer for the linear route, decoded on the GPU: fixed = bf16 "
+                            "weights sent at 12 bits, tiered = at about 11 (default: off)")
         if stage != "denoise":
             g.add_argument(f"--{flag}-offload-type", dest=f"{stage}_offload_type", default=None,
                            choices=("leaf_level", "block_level"),

@@ -1,7 +1,9 @@
-"""The coded host side (``codec="fixed"`` on the linear route): streamed units held in host RAM in a
-lossless 12-bit form of their bf16 weights, sent over the link as such and decoded into the slot.
+"""The coded host side (``codec="fixed"`` or ``"tiered"`` on the linear route): streamed units held
+in host RAM in a lossless coded form of their bf16 weights (12 bits per value, or about 11 with the
+two-tier code), sent over the link as such and decoded into the slot.
 
-- At attach, unit by unit: the escape counts of every chunk (``ddo-core``'s codec, in parallel),
+- At attach, unit by unit: the counts of every chunk (escapes; tier-2 groups for the two-tier code;
+  ``ddo-core``'s ``codec`` and ``tiered``, in parallel),
   the unit's coded layout (bf16 tensors of at least :data:`MIN_CODED_VALUES` values are coded in
   chunks of up to 8 Mi values; every other tensor, and a chunk that would not shrink, is sent as it
   is), the coded buffer (page-locked on a GPU, in the background while the next unit is coded), and
@@ -9,8 +11,10 @@ lossless 12-bit form of their bf16 weights, sent over the link as such and decod
   coded ones are written, so host RAM stays at about the coded size plus one unit.
 - A fetch is one copy job: raw pieces straight into the slot, coded chunks through a ring of
   :data:`LANDING_BUFFERS` landing buffers in device memory (allocated through PyTorch, inside the
-  VRAM budget) and decoded by a kernel on a decode stream (``ddo_cuda::codec``); on the CPU engine
-  the reference decoder writes the slot. Outputs are the original bits.
+  VRAM budget) and decoded by a kernel on a decode stream (``ddo_cuda::codec``, ``ddo_cuda::tiered``);
+  on the CPU engine the reference decoder writes the slot. Outputs are the original bits: at the
+  first attach on a device, the kernel's decode of the largest chunk is compared bit for bit with
+  the reference decoder's, and a difference refuses the offload (:func:`_check_decoder`).
 - ``remove()`` (and a failed attach) decodes every coded unit back into fresh memory of the
   parameters' own shapes and strides.
 
@@ -34,8 +38,17 @@ from ..units import flat_span, span_elements, span_nbytes
 from .slabs import _alloc, _progress
 from .stores import InMemoryStore, _placeholder
 
-CODECS = ("off", "fixed")
-"""``off``: units cross the link as they are. ``fixed``: bf16 weights at 12 bits per value."""
+CODECS = ("off", "fixed", "tiered")
+"""``off``: units cross the link as they are. ``fixed``: bf16 weights at 12 bits per value (0.751 of
+bf16 on normal weights). ``tiered``: the two-tier code, about 11 bits per value (0.689)."""
+
+TIERED_ESTIMATE = (0.28, 0.003)
+"""The two-tier code's tier-2 and escape fractions on normal weights (measured by ddo-core's
+``tiered_ratio`` example: 0.27-0.28 and 0.003): the link-bytes estimate before the weights are read."""
+
+TIERED_ALLOWANCE = 2
+"""A landing buffer holds a two-tier chunk with one value in this many in tier 2 (plus the escape
+allowance); a chunk that needs more is sent raw."""
 
 MIN_CODED_VALUES = 4096
 """bf16 tensors smaller than this are sent as they are (their bytes are negligible)."""
@@ -47,8 +60,9 @@ ESCAPE_ALLOWANCE = 32
 """A landing buffer holds a full chunk with one value in this many escaped; a chunk with more
 escapes than fit is sent raw."""
 
-_DECODE_RATE: dict[int, float] = {}
-"""Measured decode rate (bytes of bf16 written per second) per CUDA device, once per process."""
+_DECODE_RATE: dict[tuple[int, str], float | None] = {}
+"""Measured decode rate (bytes of bf16 written per second) per CUDA device and codec, once per
+process, after the kernel's output was checked against the reference decoder."""
 
 
 def check_codec(codec: str, preset: Preset) -> str:
@@ -67,59 +81,77 @@ def _bf16_values(p: torch.Tensor) -> int:
     return span_elements(p) if p.dtype == torch.bfloat16 else 0
 
 
-def landing_bytes(module: nn.Module) -> int:
-    """Bytes of one landing buffer: a full chunk of the largest coded tensor, with escapes."""
+def _probe_bytes(values: int, codec: str, escape_fraction: float, tier2_fraction: float) -> int:
+    """The coded size of one tensor of ``values`` values with these fractions of its values escaped
+    and (``tiered``) in tier 2, spread evenly over its chunks and ranges."""
+    chunk, sub = _native.CODEC_CHUNK_ELEMS, _native.CODEC_SUB_ELEMS
+
+    def counts(per_value: float, per: int) -> list[list[int]]:
+        out = []
+        for start in range(0, values, chunk):
+            n = min(chunk, values - start)
+            out.append([int(min(sub, n - s) * per_value) // per for s in range(0, n, sub)])
+        return out
+
+    groups = [counts(tier2_fraction, 8)] if codec == "tiered" else None
+    probe = _native.layout_coded_unit([(0, 2 * values, True)], [counts(escape_fraction, 1)], 1 << 62, groups)
+    return probe.nbytes
+
+
+def landing_bytes(module: nn.Module, codec: str = "fixed") -> int:
+    """Bytes of one landing buffer: a full chunk of the largest coded tensor, with the allowance of
+    escapes (and of tier-2 codes)."""
     largest = max((_bf16_values(p) for p in module.parameters()), default=0)
     if largest < MIN_CODED_VALUES:
         return 0
     values = min(largest, _native.CODEC_CHUNK_ELEMS)
-    # the layout of a chunk of `values` values with the allowance of escapes (ddo_core::codec)
-    counts = _zero_counts(values)
-    counts[0][0] = values // ESCAPE_ALLOWANCE
-    probe = _native.layout_coded_unit([(0, 2 * values, True)], [counts], 1 << 62)
-    return -(-probe.nbytes // 256) * 256
+    nbytes = _probe_bytes(values, codec, 1 / ESCAPE_ALLOWANCE, 1 / TIERED_ALLOWANCE)
+    return -(-nbytes // 256) * 256
 
 
-def _zero_counts(values: int) -> list[list[int]]:
-    """Escape counts of a tensor of ``values`` values with no escape: per chunk, per range."""
-    chunk, sub = _native.CODEC_CHUNK_ELEMS, _native.CODEC_SUB_ELEMS
-    return [[0] * -(-min(chunk, values - start) // sub) for start in range(0, values, chunk)]
-
-
-def link_bytes_estimate(units: list[Any]) -> list[int]:
+def link_bytes_estimate(codec: str):
     """Per unit, the bytes a coded fetch sends, before the weights are read: coded bf16 tensors at
-    their chunk layout without escapes (about 0.751x), the rest as they are."""
-    out = []
-    for unit in units:
-        total = 0
-        for _, p in unit.params:
-            values = _bf16_values(p)
-            if values >= MIN_CODED_VALUES:
-                probe = _native.layout_coded_unit([(0, 2 * values, True)], [_zero_counts(values)], 1 << 62)
-                total += probe.nbytes
-            else:
-                total += span_nbytes(p)
-        out.append(total)
-    return out
+    their chunk layout (fixed: without escapes, about 0.751x; tiered: :data:`TIERED_ESTIMATE`,
+    about 0.69x), the rest as they are."""
+
+    def estimate(units: list[Any]) -> list[int]:
+        tier2, esc = TIERED_ESTIMATE if codec == "tiered" else (0.0, 0.0)
+        out = []
+        for unit in units:
+            total = 0
+            for _, p in unit.params:
+                values = _bf16_values(p)
+                total += _probe_bytes(values, codec, esc, tier2) if values >= MIN_CODED_VALUES else span_nbytes(p)
+            out.append(total)
+        return out
+
+    return estimate
 
 
 def reserve_bytes(module: nn.Module, codec: str, device: torch.device) -> int:
     """Device bytes the codec needs beside the slots (its landing buffers)."""
     if codec == "off" or device.type != "cuda":
         return 0
-    return LANDING_BUFFERS * landing_bytes(module)
+    return LANDING_BUFFERS * landing_bytes(module, codec)
 
 
 class CodedSlabs(InMemoryStore):
-    """Every streamed unit coded in host memory (the linear route with ``codec="fixed"``)."""
+    """Every streamed unit coded in host memory (the linear route with ``codec="fixed"`` or
+    ``"tiered"``). Build it with :meth:`for_codec`."""
 
     slabs = None
     """No :class:`SlabSet`: the report's host figures come from :meth:`report_sections`."""
 
-    def __init__(self, engine: Any):
+    @classmethod
+    def for_codec(cls, codec: str):
+        """The store factory the engine takes (``store=``) for ``codec``."""
+        return lambda engine: cls(engine, codec)
+
+    def __init__(self, engine: Any, codec: str = "fixed"):
         self.engine = engine
+        self.codec = codec
         self.pin = engine.device.type == "cuda"
-        self.landing_bytes = landing_bytes(engine.module)
+        self.landing_bytes = landing_bytes(engine.module, codec)
         self.units: list[Any] = []  # _native.CodedUnit per streamed unit
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (storage, buffer) per unit
         self.registrations: dict[int, Any] = {}  # streamed unit -> its buffer's page-locking
@@ -171,11 +203,20 @@ class CodedSlabs(InMemoryStore):
                     srcs = self._sources(u)
                     tick = lap("read", tick)
                     bf16 = [t.numel() >= MIN_CODED_VALUES and t.dtype == torch.bfloat16 for t in srcs]
-                    counts = _native.codec_count_escapes([(t.data_ptr(), t.numel()) for t, b in zip(srcs, bf16) if b])
-                    it = iter(counts)
-                    escapes = [next(it) if b else [] for b in bf16]
+                    coded = [(t.data_ptr(), t.numel()) for t, b in zip(srcs, bf16) if b]
+                    if self.codec == "tiered":
+                        esc_counts, group_counts = _native.codec_count_tiered(coded)
+                    else:
+                        esc_counts, group_counts = _native.codec_count_escapes(coded), None
+
+                    def per_tensor(counts: list[Any]) -> list[Any]:
+                        it = iter(counts)
+                        return [next(it) if b else [] for b in bf16]
+
                     specs = [(off, span_nbytes(t), b) for t, off, b in zip(srcs, e.offsets[u], bf16)]
-                    layout = _native.layout_coded_unit(specs, escapes, self.landing_bytes if self.pin else 1 << 62)
+                    layout = _native.layout_coded_unit(specs, per_tensor(esc_counts),
+                                                       self.landing_bytes if self.pin else 1 << 62,
+                                                       per_tensor(group_counts) if group_counts is not None else None)
                     tick = lap("count", tick)
                     storage, buf = _alloc(layout.nbytes)
                     tick = lap("alloc", tick)
@@ -220,7 +261,7 @@ class CodedSlabs(InMemoryStore):
                 base = self.landing.data_ptr()
                 transport.set_decoder(self.decode_stream.cuda_stream, [base + k * lb for k in range(LANDING_BUFFERS)],
                                       lb)
-                self.decode_bytes_per_s = _decode_rate(e.device, self.units, self.buffers)
+                self.decode_bytes_per_s = _check_decoder(e.device, self.codec, self.units, self.buffers)
             self._ids = [transport.add_coded_unit(c, buf.data_ptr()) for c, (_, buf) in zip(self.units, self.buffers)]
         except BaseException:
             transport.close()
@@ -286,7 +327,7 @@ class CodedSlabs(InMemoryStore):
                       **{f"encode_{k}_s": v for k, v in getattr(self, "phase_s", {}).items()}},
             "memory": {"pinned_bytes": sum(r.nbytes for r in self.registrations.values())},
             "codec": {
-                "codec": "fixed",
+                "codec": self.codec,
                 "coded_units": len(self.units),
                 "raw_bytes": self.raw_bytes,
                 "host_bytes": self.host_bytes,
@@ -304,27 +345,40 @@ class CodedSlabs(InMemoryStore):
         }
 
 
-def _decode_rate(device: torch.device, units: list[Any], buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-    """The decode kernel's rate on this device (bf16 bytes written per second): the largest coded
-    chunk decoded a few times from device memory, timed with CUDA events. Once per process."""
+def _check_decoder(device: torch.device, codec: str, units: list[Any],
+                   buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    """Checks the codec's GPU decode kernel on this device and measures its rate (bytes of bf16
+    written per second), once per process, device and codec: the largest coded chunk is decoded on
+    the GPU, compared bit for bit with the reference decoder's output on the host (a difference is a
+    :class:`DdoError`, before any weight is streamed), then decoded a few more times, timed with CUDA
+    events."""
     ordinal = device.index or 0
-    if ordinal in _DECODE_RATE:
-        return _DECODE_RATE[ordinal]
+    if (ordinal, codec) in _DECODE_RATE:
+        return _DECODE_RATE[(ordinal, codec)]
     best = None
     for c, (_, buf) in zip(units, buffers):
-        for src, length, _, values, escapes in c.coded_pieces:
+        for src, length, _, values, escapes, groups in c.coded_pieces:
             if best is None or values > best[3]:
-                best = (buf, src, length, values, escapes)
+                best = (buf, src, length, values, escapes, groups)
     if best is None:
         return None
-    buf, src, length, values, escapes = best
+    buf, src, length, values, escapes, groups = best
     with torch.cuda.device(device):
         chunk = buf[src : src + length].to(device)
         out = torch.empty(values, dtype=torch.bfloat16, device=device)
         stream = torch.cuda.current_stream(device)
         run = lambda: _native.codec_decode_device(ordinal, stream.cuda_stream, chunk.data_ptr(), out.data_ptr(),  # noqa: E731
-                                                  values, escapes)
+                                                  values, escapes, groups)
         run()  # first launch: module load
+        ref = torch.empty(values, dtype=torch.bfloat16)
+        _native.codec_decode_host(buf.data_ptr() + src, length, ref.data_ptr(), values, escapes, groups)
+        differ = int((out.cpu().view(torch.int16) != ref.view(torch.int16)).sum())
+        if differ:
+            raise DdoError(
+                f"codec={codec!r}: the GPU decode kernel on {device} ({torch.cuda.get_device_name(device)}) gave "
+                f"{differ} of {values} values different from the reference decoder; nothing was streamed. This is a "
+                "bug of ddo_blocks on this device: use codec='off' (or 'fixed' if it was 'tiered') and report it"
+            )
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         reps = 10
         start.record(stream)
@@ -333,5 +387,5 @@ def _decode_rate(device: torch.device, units: list[Any], buffers: list[tuple[tor
         end.record(stream)
         end.synchronize()
         seconds = start.elapsed_time(end) / 1e3 / reps
-    _DECODE_RATE[ordinal] = 2 * values / seconds if seconds > 0 else None
-    return _DECODE_RATE[ordinal]
+    _DECODE_RATE[(ordinal, codec)] = 2 * values / seconds if seconds > 0 else None
+    return _DECODE_RATE[(ordinal, codec)]

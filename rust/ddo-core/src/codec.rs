@@ -417,7 +417,45 @@ pub enum PieceKind {
         escapes: usize,
         /// Escapes of each of its [`subs`] (they add up to `escapes`).
         sub_escapes: Vec<usize>,
+        /// `None`: the fixed-rate code (this module). `Some`: the two-tier code
+        /// ([`crate::tiered`]), with the tier-2 groups of each of its [`subs`].
+        sub_groups: Option<Vec<usize>>,
     },
+}
+
+impl PieceKind {
+    /// A coded chunk's tiered counts (all of them), `None` for a fixed-rate chunk or a raw piece.
+    pub fn tiered_counts(&self) -> Option<crate::tiered::Counts> {
+        match self {
+            PieceKind::Coded {
+                escapes,
+                sub_groups: Some(groups),
+                ..
+            } => Some(crate::tiered::Counts {
+                groups: groups.iter().sum(),
+                escapes: *escapes,
+            }),
+            _ => None,
+        }
+    }
+
+    /// A coded chunk's tiered counts for each of its [`subs`], `None` otherwise.
+    pub fn tiered_sub_counts(&self) -> Option<Vec<crate::tiered::Counts>> {
+        match self {
+            PieceKind::Coded {
+                sub_escapes,
+                sub_groups: Some(groups),
+                ..
+            } => Some(
+                groups
+                    .iter()
+                    .zip(sub_escapes)
+                    .map(|(&groups, &escapes)| crate::tiered::Counts { groups, escapes })
+                    .collect(),
+            ),
+            _ => None,
+        }
+    }
 }
 
 /// One piece of a coded unit: `len` bytes at `src` in the unit's host buffer that fill the slot
@@ -471,20 +509,24 @@ impl CodedUnit {
 }
 
 /// Lays out a unit in coded form. `escapes[t]` lists, for bf16 tensor `t`, for each of its
-/// [`chunks`], the escapes of each of the chunk's [`subs`] (from [`count_escapes`]); it is ignored
-/// for the others. A chunk is coded when
-/// [`worth_coding`] with `max_chunk_bytes` (the landing buffer), raw otherwise. Raw bytes of
-/// neighbouring tensors less than [`RAW_MERGE_GAP`] apart in the slot share one piece.
+/// [`chunks`], the escapes of each of the chunk's [`subs`] (from [`count_escapes`], or
+/// [`crate::tiered::count_subs`]); it is ignored for the others. `groups`, in the same shape, gives
+/// the tier-2 groups of the two-tier code ([`crate::tiered`]); `None` lays the fixed-rate code
+/// out. A chunk is coded when it is worth coding with `max_chunk_bytes` (the landing buffer),
+/// raw otherwise. Raw bytes of neighbouring tensors less than [`RAW_MERGE_GAP`] apart in the slot
+/// share one piece.
 pub fn layout_coded_unit(
     tensors: &[TensorSpec],
     escapes: &[Vec<Vec<usize>>],
+    groups: Option<&[Vec<Vec<usize>>]>,
     max_chunk_bytes: usize,
 ) -> Result<CodedUnit> {
-    if escapes.len() != tensors.len() {
+    if escapes.len() != tensors.len() || groups.is_some_and(|g| g.len() != tensors.len()) {
         return Err(CoreError::InvalidArgument(format!(
-            "{} tensors but escape counts for {}",
+            "{} tensors but escape counts for {} (tier-2 groups for {:?})",
             tensors.len(),
-            escapes.len()
+            escapes.len(),
+            groups.map(<[_]>::len)
         )));
     }
     let mut order: Vec<usize> = (0..tensors.len()).collect();
@@ -551,8 +593,29 @@ pub fn layout_coded_unit(
                 counts.len()
             )));
         }
-        for ((first, values), sub_escapes) in chunks(spec.nbytes / 2).zip(counts) {
+        let tensor_groups = match groups {
+            Some(g) if g[t].len() != n_chunks => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "tensor {t} has {n_chunks} chunks but {} tier-2 group counts",
+                    g[t].len()
+                )))
+            }
+            Some(g) => Some(&g[t]),
+            None => None,
+        };
+        for (c, ((first, values), sub_escapes)) in chunks(spec.nbytes / 2).zip(counts).enumerate() {
             let dst = spec.dst + 2 * first;
+            let sub_groups = tensor_groups.map(|g| g[c].clone());
+            if sub_groups
+                .as_ref()
+                .is_some_and(|g| g.len() != sub_escapes.len())
+            {
+                return Err(CoreError::InvalidArgument(format!(
+                    "a chunk of tensor {t} has {} escape counts but {:?} tier-2 group counts",
+                    sub_escapes.len(),
+                    sub_groups.as_ref().map(Vec::len)
+                )));
+            }
             if sub_escapes.len() != subs(values).count() {
                 return Err(CoreError::InvalidArgument(format!(
                     "a chunk of {values} values of tensor {t} has {} ranges but {} escape counts",
@@ -561,8 +624,23 @@ pub fn layout_coded_unit(
                 )));
             }
             let n_esc = sub_escapes.iter().sum();
-            if worth_coding(values, n_esc, max_chunk_bytes) {
-                let len = chunk_layout(values, n_esc).nbytes;
+            let (worth, len) = match &sub_groups {
+                None => (
+                    worth_coding(values, n_esc, max_chunk_bytes),
+                    chunk_layout(values, n_esc).nbytes,
+                ),
+                Some(g) => {
+                    let counts = crate::tiered::Counts {
+                        groups: g.iter().sum(),
+                        escapes: n_esc,
+                    };
+                    (
+                        crate::tiered::worth_coding(values, counts, max_chunk_bytes),
+                        crate::tiered::tiered_layout(values, counts).nbytes,
+                    )
+                }
+            };
+            if worth {
                 let src = end
                     .checked_next_multiple_of(PIECE_ALIGN)
                     .ok_or_else(overflow)?;
@@ -573,6 +651,7 @@ pub fn layout_coded_unit(
                         values,
                         escapes: n_esc,
                         sub_escapes: sub_escapes.clone(),
+                        sub_groups,
                     },
                     src,
                     len,
@@ -778,7 +857,7 @@ mod tests {
             t(20_736, 40, true),
         ];
         let escapes = vec![vec![vec![3]], vec![], vec![], vec![vec![40]]];
-        let unit = layout_coded_unit(&tensors, &escapes, usize::MAX).unwrap();
+        let unit = layout_coded_unit(&tensors, &escapes, None, usize::MAX).unwrap();
         assert_eq!(unit.pieces.len(), 2, "{:?}", unit.pieces);
         let coded = &unit.pieces[0];
         assert_eq!(
@@ -789,9 +868,30 @@ mod tests {
                 values: 10_000,
                 escapes: 3,
                 sub_escapes: vec![3],
+                sub_groups: None,
             }
         );
         assert_eq!(coded.len, chunk_layout(10_000, 3).nbytes);
+        // the two-tier code: the chunk's size from its groups and escapes
+        let groups = vec![vec![vec![700]], vec![], vec![], vec![vec![5]]];
+        let tiered = layout_coded_unit(&tensors, &escapes, Some(&groups), usize::MAX).unwrap();
+        let counts = crate::tiered::Counts {
+            groups: 700,
+            escapes: 3,
+        };
+        assert_eq!(
+            tiered.pieces[0].len,
+            crate::tiered::tiered_layout(10_000, counts).nbytes
+        );
+        assert_eq!(tiered.pieces[0].kind.tiered_counts(), Some(counts));
+        assert_eq!(
+            tiered.pieces[0].kind.tiered_sub_counts(),
+            Some(vec![counts])
+        );
+        assert_eq!(tiered.pieces[1].kind, unit.pieces[1].kind);
+        let bad = vec![vec![vec![700, 1]], vec![], vec![], vec![vec![5]]];
+        assert!(layout_coded_unit(&tensors, &escapes, Some(&bad), usize::MAX).is_err());
+        assert!(layout_coded_unit(&tensors, &escapes, Some(&groups[..1]), usize::MAX).is_err());
         let raw = &unit.pieces[1];
         assert_eq!(
             (raw.dst, raw.len, raw.src % PIECE_ALIGN),
@@ -806,7 +906,7 @@ mod tests {
         assert!(unit.nbytes >= raw.src + raw.len && unit.nbytes.is_multiple_of(PIECE_ALIGN));
         assert_eq!(unit.largest_coded(), coded.len);
         // a landing buffer too small for the chunk: sent raw
-        let small = layout_coded_unit(&tensors[..1], &escapes[..1], 1024).unwrap();
+        let small = layout_coded_unit(&tensors[..1], &escapes[..1], None, 1024).unwrap();
         assert!(matches!(small.pieces[0].kind, PieceKind::Raw(_)));
         assert_eq!(small.nbytes, 20_032);
     }
@@ -818,18 +918,18 @@ mod tests {
             nbytes: 11,
             bf16: true,
         };
-        assert!(layout_coded_unit(&[t], &[vec![vec![0]]], usize::MAX).is_err());
+        assert!(layout_coded_unit(&[t], &[vec![vec![0]]], None, usize::MAX).is_err());
         let t = TensorSpec {
             dst: 0,
             nbytes: 10,
             bf16: true,
         };
-        assert!(layout_coded_unit(&[t], &[vec![]], usize::MAX).is_err());
+        assert!(layout_coded_unit(&[t], &[vec![]], None, usize::MAX).is_err());
         // one range, two counts
-        assert!(layout_coded_unit(&[t], &[vec![vec![0, 0]]], usize::MAX).is_err());
-        assert!(layout_coded_unit(&[t], &[], usize::MAX).is_err());
+        assert!(layout_coded_unit(&[t], &[vec![vec![0, 0]]], None, usize::MAX).is_err());
+        assert!(layout_coded_unit(&[t], &[], None, usize::MAX).is_err());
         assert_eq!(
-            layout_coded_unit(&[], &[], usize::MAX).unwrap(),
+            layout_coded_unit(&[], &[], None, usize::MAX).unwrap(),
             CodedUnit::default()
         );
     }

@@ -189,11 +189,20 @@ fn block_params(block: &[u16], hist: &mut [u16; 256]) -> (Params, usize, usize) 
             if !Params::valid(b1 as u16, k as u16) {
                 continue;
             }
-            let tier2: usize = (b1 - k..b1).map(h).sum::<usize>() + (b1 + 3..b1 - k + 10).map(h).sum::<usize>();
+            let tier2: usize =
+                (b1 - k..b1).map(h).sum::<usize>() + (b1 + 3..b1 - k + 10).map(h).sum::<usize>();
             let (t2, esc) = (n - tier1, n - tier1 - tier2);
             let bits = 3 * t2 + 32 * esc;
             if bits < best.0 {
-                best = (bits, Params { b1: b1 as u16, k: k as u16 }, t2, esc);
+                best = (
+                    bits,
+                    Params {
+                        b1: b1 as u16,
+                        k: k as u16,
+                    },
+                    t2,
+                    esc,
+                );
             }
         }
     }
@@ -356,7 +365,10 @@ pub fn encode_range(
         }
         t2buf[pos..pos + GROUP].fill(0);
         for (g, codes) in t2buf[..groups * GROUP].chunks_exact(GROUP).enumerate() {
-            let word = codes.iter().enumerate().fold(0u32, |w, (j, &c)| w | (u32::from(c) << (3 * j)));
+            let word = codes
+                .iter()
+                .enumerate()
+                .fold(0u32, |w, (j, &c)| w | (u32::from(c) << (3 * j)));
             let o = 3 * (group + g);
             tier2[o..o + 3].copy_from_slice(&word.to_le_bytes()[..3]);
         }
@@ -419,12 +431,15 @@ pub fn decode_chunk(coded: &[u8], counts: Counts, out: &mut [u16]) -> Result<()>
             coded.len()
         )));
     }
-    let u32_at = |at: usize| u32::from_le_bytes([coded[at], coded[at + 1], coded[at + 2], coded[at + 3]]);
+    let u32_at =
+        |at: usize| u32::from_le_bytes([coded[at], coded[at + 1], coded[at + 2], coded[at + 3]]);
     let (mut group, mut esc) = (0usize, 0usize);
     for (b, block) in out.chunks_mut(BLOCK).enumerate() {
         let offset = u32_at(lay.offsets + 4 * b) as usize;
         if offset != group {
-            return Err(corrupt(format!("block {b} starts its tier-2 codes at group {offset}, expected {group}")));
+            return Err(corrupt(format!(
+                "block {b} starts its tier-2 codes at group {offset}, expected {group}"
+            )));
         }
         let p = Params {
             b1: u16::from(coded[lay.params + 2 * b]),
@@ -443,7 +458,10 @@ pub fn decode_chunk(coded: &[u8], counts: Counts, out: &mut [u16]) -> Result<()>
             } else {
                 let g = group + t2 / GROUP;
                 if g >= counts.groups {
-                    return Err(corrupt(format!("value {i} reads tier-2 group {g} of {}", counts.groups)));
+                    return Err(corrupt(format!(
+                        "value {i} reads tier-2 group {g} of {}",
+                        counts.groups
+                    )));
                 }
                 let word = u32::from(coded[lay.tier2 + 3 * g])
                     | (u32::from(coded[lay.tier2 + 3 * g + 1]) << 8)
@@ -458,7 +476,10 @@ pub fn decode_chunk(coded: &[u8], counts: Counts, out: &mut [u16]) -> Result<()>
                     }
                     let entry = u32_at(lay.escapes + 4 * esc);
                     if (entry >> 8) as usize != i {
-                        return Err(corrupt(format!("escape {esc} is for value {}, expected {i}", entry >> 8)));
+                        return Err(corrupt(format!(
+                            "escape {esc} is for value {}, expected {i}",
+                            entry >> 8
+                        )));
                     }
                     esc += 1;
                     (entry & 0xff) as u16
@@ -525,9 +546,13 @@ mod tests {
     fn every_bit_pattern_and_edge_value_comes_back() {
         let all: Vec<u16> = (0..=u16::MAX).collect();
         roundtrip(&all);
-        let edges = [0u16, 0x8000, 0x0001, 0x807f, 0x7f80, 0xff80, 0x7fc1, 0xffff, 0x3f80, 0x0080];
+        let edges = [
+            0u16, 0x8000, 0x0001, 0x807f, 0x7f80, 0xff80, 0x7fc1, 0xffff, 0x3f80, 0x0080,
+        ];
         for n in 0..1100 {
-            let v: Vec<u16> = (0..n).map(|i| edges[i % edges.len()] ^ (i as u16 & 0x7f)).collect();
+            let v: Vec<u16> = (0..n)
+                .map(|i| edges[i % edges.len()] ^ (i as u16 & 0x7f))
+                .collect();
             roundtrip(&v);
         }
         let mut random = normal(70_000, 1.0, 3);
@@ -558,7 +583,10 @@ mod tests {
         let lay = tiered_layout(v.len(), total);
         let mut coded = vec![0u8; lay.nbytes];
         encode_chunk(&v, &subs, &mut coded).unwrap();
-        let wrong = [Counts { groups: total.groups + 1, ..total }];
+        let wrong = [Counts {
+            groups: total.groups + 1,
+            ..total
+        }];
         let mut other = vec![0u8; tiered_layout(v.len(), wrong[0]).nbytes];
         assert!(encode_chunk(&v, &wrong, &mut other).is_err());
         assert!(encode_chunk(&v, &subs, &mut other).is_err()); // buffer of the wrong size
@@ -575,17 +603,52 @@ mod tests {
             bad[lay.escapes + 1] ^= 1; // escape 0's index
             assert!(decode_chunk(&bad, total, &mut back).is_err());
         }
-        assert!(decode_chunk(&coded, Counts { escapes: total.escapes + 1, ..total }, &mut back).is_err());
+        assert!(decode_chunk(
+            &coded,
+            Counts {
+                escapes: total.escapes + 1,
+                ..total
+            },
+            &mut back
+        )
+        .is_err());
     }
 
     #[test]
     fn layout_sections_are_aligned_and_worth_coding_says_when_to_send_raw() {
-        let lay = tiered_layout(1001, Counts { groups: 33, escapes: 5 });
-        for at in [lay.params, lay.signs, lay.tier1, lay.tier2, lay.escapes, lay.nbytes] {
+        let lay = tiered_layout(
+            1001,
+            Counts {
+                groups: 33,
+                escapes: 5,
+            },
+        );
+        for at in [
+            lay.params,
+            lay.signs,
+            lay.tier1,
+            lay.tier2,
+            lay.escapes,
+            lay.nbytes,
+        ] {
             assert_eq!(at % SECTION_ALIGN, 0);
         }
-        assert!(worth_coding(1 << 20, Counts { groups: 40_000, escapes: 100 }, usize::MAX));
-        assert!(!worth_coding(1000, Counts { groups: 125, escapes: 900 }, usize::MAX));
+        assert!(worth_coding(
+            1 << 20,
+            Counts {
+                groups: 40_000,
+                escapes: 100
+            },
+            usize::MAX
+        ));
+        assert!(!worth_coding(
+            1000,
+            Counts {
+                groups: 125,
+                escapes: 900
+            },
+            usize::MAX
+        ));
         assert!(!worth_coding(0, Counts::default(), usize::MAX));
         assert!(!worth_coding(1 << 20, Counts::default(), 1 << 10));
     }

@@ -21,6 +21,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use ddo_core::codec::{self, CodedUnit, PieceKind};
+use ddo_core::tiered;
 use rayon::prelude::*;
 
 use crate::deferred::ErrorSlot;
@@ -70,19 +71,38 @@ extern "C" __global__ void ddo_decode12(const unsigned char* __restrict__ chunk,
 
 const THREADS: u32 = 256;
 
-static KERNELS: OnceLock<Mutex<Vec<(usize, Kernel)>>> = OnceLock::new();
+/// A compiled kernel: device ordinal, kernel name, the kernel.
+type CachedKernel = (usize, &'static str, Kernel);
 
-/// The decode kernel on device `ordinal`, compiled with NVRTC at its first use in the process.
-pub fn decode_kernel(ordinal: usize) -> Result<Kernel> {
+static KERNELS: OnceLock<Mutex<Vec<CachedKernel>>> = OnceLock::new();
+
+/// Kernel `name` of `source()` on device `ordinal`, compiled with NVRTC at its first use in the
+/// process.
+fn cached_kernel(
+    ordinal: usize,
+    name: &'static str,
+    source: impl FnOnce() -> String,
+) -> Result<Kernel> {
     let cache = KERNELS.get_or_init(|| Mutex::new(Vec::new()));
     let mut kernels = cache.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, k)) = kernels.iter().find(|(o, _)| *o == ordinal) {
+    if let Some((_, _, k)) = kernels.iter().find(|(o, n, _)| *o == ordinal && *n == name) {
         return Ok(k.clone());
     }
-    let source = DECODE_SOURCE.replace("BLOCK", &format!("{}u", codec::BLOCK));
-    let kernel = Module::compile(ordinal, &source, &[])?.kernel("ddo_decode12")?;
-    kernels.push((ordinal, kernel.clone()));
+    let kernel = Module::compile(ordinal, &source(), &[])?.kernel(name)?;
+    kernels.push((ordinal, name, kernel.clone()));
     Ok(kernel)
+}
+
+/// The fixed-rate decode kernel on device `ordinal`.
+pub fn decode_kernel(ordinal: usize) -> Result<Kernel> {
+    cached_kernel(ordinal, "ddo_decode12", || {
+        DECODE_SOURCE.replace("BLOCK", &format!("{}u", codec::BLOCK))
+    })
+}
+
+/// The two-tier decode kernel on device `ordinal` ([`crate::tiered`]).
+pub fn tiered_kernel(ordinal: usize) -> Result<Kernel> {
+    cached_kernel(ordinal, crate::tiered::KERNEL_NAME, crate::tiered::source)
 }
 
 /// Queues the decode of one coded chunk of `values` values with `escapes` escapes, at device
@@ -132,14 +152,17 @@ pub unsafe fn launch_decode(
     unsafe { kernel.launch(config, stream, &args) }
 }
 
-/// Escape counts of every `(address, values)` bf16 tensor: per chunk, per range of the chunk
-/// ([`codec::subs`]), all ranges of all tensors in parallel.
+/// `count(range)` of every [`codec::subs`] range of every chunk of every `(address, values)` bf16
+/// tensor, all ranges of all tensors in parallel: per tensor, per chunk, per range.
 ///
 /// # Safety
 /// Each address holds `values` readable `u16`s (2-byte aligned), not written during the call.
-pub unsafe fn count_escapes_many(tensors: &[(usize, usize)]) -> Result<Vec<Vec<Vec<usize>>>> {
+unsafe fn count_many<T: Send + Clone>(
+    tensors: &[(usize, usize)],
+    count: impl Fn(&[u16]) -> T + Sync,
+) -> Result<Vec<Vec<Vec<T>>>> {
     for &(ptr, values) in tensors {
-        check_values("escape count source", ptr, values)?;
+        check_values("count source", ptr, values)?;
     }
     // every (tensor, chunk, range) as one task
     let tasks: Vec<(usize, usize, usize, usize)> = tensors
@@ -153,17 +176,17 @@ pub unsafe fn count_escapes_many(tensors: &[(usize, usize)]) -> Result<Vec<Vec<V
                 })
         })
         .collect();
-    let counts: Vec<usize> = tasks
+    let counts: Vec<T> = tasks
         .par_iter()
         .map(|&(t, _, first, len)| {
             // SAFETY: the caller guarantees `values` readable u16s at the tensor's address, and
             // the range lies inside them.
             let v =
                 unsafe { std::slice::from_raw_parts((tensors[t].0 as *const u16).add(first), len) };
-            codec::count_escapes(v)
+            count(v)
         })
         .collect();
-    let mut out: Vec<Vec<Vec<usize>>> = tensors
+    let mut out: Vec<Vec<Vec<T>>> = tensors
         .iter()
         .map(|&(_, values)| vec![Vec::new(); codec::chunks(values).count()])
         .collect();
@@ -171,6 +194,36 @@ pub unsafe fn count_escapes_many(tensors: &[(usize, usize)]) -> Result<Vec<Vec<V
         out[t][c].push(n);
     }
     Ok(out)
+}
+
+/// Escape counts of every `(address, values)` bf16 tensor for the fixed-rate code: per chunk, per
+/// range of the chunk ([`codec::subs`]).
+///
+/// # Safety
+/// Each address holds `values` readable `u16`s (2-byte aligned), not written during the call.
+pub unsafe fn count_escapes_many(tensors: &[(usize, usize)]) -> Result<Vec<Vec<Vec<usize>>>> {
+    // SAFETY: the caller's contract is count_many's.
+    unsafe { count_many(tensors, codec::count_escapes) }
+}
+
+/// Escape and tier-2 group counts of every `(address, values)` bf16 tensor for the two-tier code,
+/// in the shape of [`count_escapes_many`]: `(escapes, groups)`.
+///
+/// # Safety
+/// Each address holds `values` readable `u16`s (2-byte aligned), not written during the call.
+#[allow(clippy::type_complexity)]
+pub unsafe fn count_tiered_many(
+    tensors: &[(usize, usize)],
+) -> Result<(Vec<Vec<Vec<usize>>>, Vec<Vec<Vec<usize>>>)> {
+    // SAFETY: the caller's contract is count_many's.
+    let counts = unsafe { count_many(tensors, ddo_core::tiered::count_range) }?;
+    let pick = |f: fn(&ddo_core::tiered::Counts) -> usize| {
+        counts
+            .iter()
+            .map(|t| t.iter().map(|c| c.iter().map(f).collect()).collect())
+            .collect()
+    };
+    Ok((pick(|c| c.escapes), pick(|c| c.groups)))
 }
 
 fn check_values(what: &str, ptr: usize, values: usize) -> Result<()> {
@@ -247,8 +300,10 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
     // tasks: every raw piece, the padding of every coded chunk, every range of every coded chunk
     enum Task<'a> {
         Raw(&'a codec::Piece, &'a [codec::Segment]),
-        Padding(&'a codec::Piece, codec::ChunkLayout),
-        /// `len` values from `first` of the chunk, whose `n_esc` escapes follow the chunk's first `esc`.
+        /// Byte ranges `(offset, len)` of a coded chunk that no value writes.
+        Padding(&'a codec::Piece, Vec<(usize, usize)>),
+        /// `len` values from `first` of a fixed-rate chunk, whose `n_esc` escapes follow the
+        /// chunk's first `esc`.
         Range {
             piece: &'a codec::Piece,
             tensor: usize,
@@ -259,7 +314,20 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
             esc: usize,
             n_esc: usize,
         },
+        /// `len` values from `first` of a two-tier chunk, their counts `own` after the chunk's
+        /// first `at`.
+        Tiered {
+            piece: &'a codec::Piece,
+            tensor: usize,
+            from: usize,
+            lay: tiered::TieredLayout,
+            first: usize,
+            len: usize,
+            at: tiered::Counts,
+            own: tiered::Counts,
+        },
     }
+    let mismatch = || CudaError::InvalidArgument("a coded piece does not match its layout".into());
     let mut tasks = Vec::new();
     for p in &unit.pieces {
         match &p.kind {
@@ -270,14 +338,13 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                 values,
                 escapes,
                 sub_escapes,
+                sub_groups: None,
             } => {
                 let lay = codec::chunk_layout(*values, *escapes);
                 if lay.nbytes != p.len || sub_escapes.iter().sum::<usize>() != *escapes {
-                    return Err(CudaError::InvalidArgument(
-                        "a coded piece does not match its layout".into(),
-                    ));
+                    return Err(mismatch());
                 }
-                tasks.push(Task::Padding(p, lay));
+                tasks.push(Task::Padding(p, fixed_gaps(&lay)));
                 let mut esc = 0;
                 for ((first, len), &n) in codec::subs(*values).zip(sub_escapes) {
                     tasks.push(Task::Range {
@@ -293,6 +360,36 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                     esc += n;
                 }
             }
+            kind @ PieceKind::Coded {
+                tensor,
+                first_value,
+                values,
+                ..
+            } => {
+                let (Some(total), Some(subs)) = (kind.tiered_counts(), kind.tiered_sub_counts())
+                else {
+                    return Err(mismatch());
+                };
+                let lay = tiered::tiered_layout(*values, total);
+                if lay.nbytes != p.len || subs.len() != codec::subs(*values).count() {
+                    return Err(mismatch());
+                }
+                tasks.push(Task::Padding(p, tiered_gaps(&lay)));
+                let mut at = tiered::Counts::default();
+                for ((first, len), &own) in codec::subs(*values).zip(&subs) {
+                    tasks.push(Task::Tiered {
+                        piece: p,
+                        tensor: *tensor,
+                        from: *first_value,
+                        lay,
+                        first,
+                        len,
+                        at,
+                        own,
+                    });
+                    at = at + own;
+                }
+            }
         }
     }
     tasks.par_iter().try_for_each(|task| {
@@ -303,6 +400,11 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
             // SAFETY: each range lies inside the unit's `unit.nbytes` bytes at `dst` (checked
             // above) and is written by this task only.
             unsafe { std::slice::from_raw_parts_mut((dst + off) as *mut u8, len) }
+        };
+        // SAFETY (both codes' ranges): the chunk lies in its tensor (checked above); bf16 data is
+        // 2-aligned.
+        let values = |tensor: usize, at: usize, len: usize| unsafe {
+            std::slice::from_raw_parts((tensors[tensor].0 as *const u16).add(at), len)
         };
         match task {
             Task::Raw(p, segs) => {
@@ -320,25 +422,10 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                 }
                 Ok(())
             }
-            Task::Padding(p, lay) => {
-                let n = lay.n;
-                let base = p.src;
-                bytes(
-                    base + n.div_ceil(codec::BLOCK),
-                    lay.signs - n.div_ceil(codec::BLOCK),
-                )
-                .fill(0);
-                bytes(base + lay.signs + n, lay.codes - lay.signs - n).fill(0);
-                bytes(
-                    base + lay.codes + n.div_ceil(2),
-                    lay.escapes - lay.codes - n.div_ceil(2),
-                )
-                .fill(0);
-                bytes(
-                    base + lay.escapes + 4 * lay.n_esc,
-                    lay.nbytes - lay.escapes - 4 * lay.n_esc,
-                )
-                .fill(0);
+            Task::Padding(p, gaps) => {
+                for &(off, len) in gaps {
+                    bytes(p.src + off, len).fill(0);
+                }
                 Ok(())
             }
             Task::Range {
@@ -351,16 +438,9 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                 esc,
                 n_esc,
             } => {
-                // SAFETY: the chunk lies in its tensor (checked above); bf16 data is 2-aligned.
-                let v = unsafe {
-                    std::slice::from_raw_parts(
-                        (tensors[*tensor].0 as *const u16).add(from + first),
-                        *len,
-                    )
-                };
                 let base = piece.src;
                 codec::encode_range(
-                    v,
+                    values(*tensor, from + first, *len),
                     *first,
                     bytes(base + first / codec::BLOCK, len.div_ceil(codec::BLOCK)),
                     bytes(base + lay.signs + first, *len),
@@ -369,8 +449,121 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                 )
                 .map_err(|e| CudaError::InvalidArgument(format!("tensor {tensor}: {e}")))
             }
+            Task::Tiered {
+                piece,
+                tensor,
+                from,
+                lay,
+                first,
+                len,
+                at,
+                own,
+            } => {
+                let (base, b0, nb) = (piece.src, first / codec::BLOCK, len.div_ceil(codec::BLOCK));
+                tiered::encode_range(
+                    values(*tensor, from + first, *len),
+                    *first,
+                    at.groups,
+                    bytes(base + lay.offsets + 4 * b0, 4 * nb),
+                    bytes(base + lay.params + 2 * b0, 2 * nb),
+                    bytes(base + lay.signs + first, *len),
+                    bytes(
+                        base + lay.tier1 + first / 4,
+                        (first + len).div_ceil(4) - first / 4,
+                    ),
+                    bytes(base + lay.tier2 + 3 * at.groups, 3 * own.groups),
+                    bytes(base + lay.escapes + 4 * at.escapes, 4 * own.escapes),
+                )
+                .map_err(|e| CudaError::InvalidArgument(format!("tensor {tensor}: {e}")))
+            }
         }
     })
+}
+
+/// The bytes of a fixed-rate chunk no value writes: `(offset, len)` from the chunk's start.
+fn fixed_gaps(lay: &codec::ChunkLayout) -> Vec<(usize, usize)> {
+    let n = lay.n;
+    let nb = n.div_ceil(codec::BLOCK);
+    vec![
+        (nb, lay.signs - nb),
+        (lay.signs + n, lay.codes - lay.signs - n),
+        (
+            lay.codes + n.div_ceil(2),
+            lay.escapes - lay.codes - n.div_ceil(2),
+        ),
+        (
+            lay.escapes + 4 * lay.n_esc,
+            lay.nbytes - lay.escapes - 4 * lay.n_esc,
+        ),
+    ]
+}
+
+/// The bytes of a two-tier chunk no value writes: `(offset, len)` from the chunk's start.
+fn tiered_gaps(lay: &tiered::TieredLayout) -> Vec<(usize, usize)> {
+    let n = lay.n;
+    let nb = n.div_ceil(codec::BLOCK);
+    let c = lay.counts;
+    let ends = [
+        (lay.offsets + 4 * nb, lay.params),
+        (lay.params + 2 * nb, lay.signs),
+        (lay.signs + n, lay.tier1),
+        (lay.tier1 + n.div_ceil(4), lay.tier2),
+        (lay.tier2 + 3 * c.groups, lay.escapes),
+        (lay.escapes + 4 * c.escapes, lay.nbytes),
+    ];
+    ends.iter().map(|&(from, to)| (from, to - from)).collect()
+}
+
+/// Decodes one coded chunk of `values` values with `escapes` escapes (and `groups` tier-2 groups:
+/// the two-tier code; `None`: the fixed-rate code) from the `len` host bytes at `src` into the
+/// `values` bf16 values at `out`, on the calling thread (the reference a GPU decode is checked
+/// against).
+///
+/// # Safety
+/// `src` is `len` readable host bytes and `out` `2 * values` writable host bytes (2-byte aligned),
+/// disjoint, allocated and not written by anyone else during the call.
+pub unsafe fn decode_chunk_host(
+    src: usize,
+    len: usize,
+    out: usize,
+    values: usize,
+    escapes: usize,
+    groups: Option<usize>,
+) -> Result<()> {
+    crate::host::check_host_range("coded chunk", src, len)?;
+    check_values("decoded chunk", out, values)?;
+    // SAFETY: the caller's contract; both ranges checked non-null and non-wrapping.
+    let (inp, out) = unsafe {
+        (
+            std::slice::from_raw_parts(src as *const u8, len),
+            std::slice::from_raw_parts_mut(out as *mut u16, values),
+        )
+    };
+    let kind = PieceKind::Coded {
+        tensor: 0,
+        first_value: 0,
+        values,
+        escapes,
+        sub_escapes: Vec::new(),
+        sub_groups: groups.map(|g| vec![g]),
+    };
+    decode_piece(&kind, inp, out)
+}
+
+/// Decodes one coded chunk (either code) from `inp` into `out` on the host.
+fn decode_piece(kind: &PieceKind, inp: &[u8], out: &mut [u16]) -> Result<()> {
+    let done = match kind.tiered_counts() {
+        Some(counts) => tiered::decode_chunk(inp, counts, out),
+        None => match kind {
+            PieceKind::Coded { escapes, .. } => codec::decode_chunk(inp, *escapes, out),
+            PieceKind::Raw(_) => {
+                return Err(CudaError::InvalidArgument(
+                    "a raw piece is not decoded".into(),
+                ))
+            }
+        },
+    };
+    done.map_err(|e| CudaError::InvalidArgument(e.to_string()))
 }
 
 /// Decodes `unit`'s host buffer at `src` back into its tensors `(address, bytes)` (the inverse
@@ -404,7 +597,6 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
                 tensor,
                 first_value,
                 values,
-                escapes,
                 ..
             } => {
                 // SAFETY: the chunk lies in its tensor, which no other piece writes there.
@@ -414,8 +606,7 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
                         *values,
                     )
                 };
-                codec::decode_chunk(inp, *escapes, out)
-                    .map_err(|e| CudaError::InvalidArgument(e.to_string()))
+                decode_piece(&p.kind, inp, out)
             }
         }
     })
@@ -427,6 +618,8 @@ pub(crate) struct DecodeRing {
     ordinal: usize,
     decode_stream: Stream,
     kernel: Kernel,
+    /// The two-tier kernel, compiled when the first unit using it is registered.
+    tiered: OnceLock<Kernel>,
     landing: Vec<usize>,
     landing_bytes: usize,
     landed: Vec<Event>,
@@ -476,6 +669,7 @@ impl DecodeRing {
             ordinal,
             decode_stream,
             kernel,
+            tiered: OnceLock::new(),
             landed: mk(landing.len())?,
             decoded: mk(landing.len())?,
             done: mk(1)?,
@@ -488,6 +682,14 @@ impl DecodeRing {
 
     pub fn landing_bytes(&self) -> usize {
         self.landing_bytes
+    }
+
+    /// The two-tier decode kernel of the ring's device, compiled at its first use.
+    pub fn tiered(&self) -> Result<&Kernel> {
+        if self.tiered.get().is_none() {
+            let _ = self.tiered.set(tiered_kernel(self.ordinal)?);
+        }
+        Ok(self.tiered.get().expect("set above"))
     }
 
     /// Blocks the host until every decode queued so far has completed.
@@ -555,7 +757,7 @@ impl Stage for DecodeStage {
                     "a coded unit on the GPU needs the transport's decode ring".into(),
                 ));
             }
-            return chunks.par_iter().try_for_each(|&(p, values, escapes)| {
+            return chunks.par_iter().try_for_each(|&(p, values, _)| {
                 // SAFETY: the fetch's contract: the buffer holds the unit and the slot its span.
                 let (inp, out) = unsafe {
                     (
@@ -563,8 +765,7 @@ impl Stage for DecodeStage {
                         std::slice::from_raw_parts_mut((base + p.dst) as *mut u16, values),
                     )
                 };
-                codec::decode_chunk(inp, escapes, out)
-                    .map_err(|e| CudaError::InvalidArgument(e.to_string()))
+                decode_piece(&p.kind, inp, out)
             });
         };
         let mut next = ring.next.lock().unwrap_or_else(|e| e.into_inner());
@@ -588,14 +789,24 @@ impl Stage for DecodeStage {
             // the chunk's range of the slot, 16-byte aligned (the unit layout aligns tensors to
             // 256 bytes and chunks to 16 MiB), free since the copy stream's wait for its consumer.
             unsafe {
-                launch_decode(
-                    &ring.kernel,
-                    ring.decode_stream,
-                    ring.landing[k],
-                    base + p.dst,
-                    values,
-                    escapes,
-                )?
+                match p.kind.tiered_counts() {
+                    None => launch_decode(
+                        &ring.kernel,
+                        ring.decode_stream,
+                        ring.landing[k],
+                        base + p.dst,
+                        values,
+                        escapes,
+                    )?,
+                    Some(counts) => crate::tiered::launch_decode(
+                        ring.tiered()?,
+                        ring.decode_stream,
+                        ring.landing[k],
+                        base + p.dst,
+                        values,
+                        counts,
+                    )?,
+                }
             };
             ring.decoded[k].record(ring.decode_stream)?;
             any = true;
@@ -633,6 +844,15 @@ mod tests {
 
     #[test]
     fn a_coded_unit_round_trips_through_the_host_buffer_and_a_cpu_fetch() {
+        round_trip_unit(false);
+    }
+
+    #[test]
+    fn a_tiered_unit_round_trips_through_the_host_buffer_and_a_cpu_fetch() {
+        round_trip_unit(true);
+    }
+
+    fn round_trip_unit(tiered: bool) {
         let a = weights(70_000, 1);
         let b: Vec<u8> = (0..999).map(|i| (i * 7) as u8).collect(); // fp32 or int: sent raw
         let c = weights(9, 2);
@@ -659,11 +879,20 @@ mod tests {
             (c.as_ptr() as usize, 2 * c.len()),
         ];
         let bf16 = [(tensors[0].0, a.len()), (tensors[2].0, c.len())];
-        // SAFETY: both tensors are live vectors of that many u16s.
-        let counts = unsafe { count_escapes_many(&bf16) }.unwrap();
-        let escapes = vec![counts[0].clone(), vec![], counts[1].clone()];
-        let unit = layout_coded_unit(&specs, &escapes, usize::MAX).unwrap();
-        assert!(unit.nbytes < (2 * a.len()) * 8 / 10, "{}", unit.nbytes);
+        let shape = |c: &[Vec<Vec<usize>>]| vec![c[0].clone(), vec![], c[1].clone()];
+        let unit = if tiered {
+            // SAFETY: both tensors are live vectors of that many u16s.
+            let (escapes, groups) = unsafe { count_tiered_many(&bf16) }.unwrap();
+            let groups = shape(&groups);
+            layout_coded_unit(&specs, &shape(&escapes), Some(&groups), usize::MAX).unwrap()
+        } else {
+            // SAFETY: as above.
+            let counts = unsafe { count_escapes_many(&bf16) }.unwrap();
+            layout_coded_unit(&specs, &shape(&counts), None, usize::MAX).unwrap()
+        };
+        assert_eq!(unit.pieces[0].kind.tiered_counts().is_some(), tiered);
+        let limit = if tiered { 75 } else { 80 }; // percent of the bf16 bytes
+        assert!(unit.nbytes < (2 * a.len()) * limit / 100, "{}", unit.nbytes);
         let mut host = vec![0xffu8; unit.nbytes];
         // SAFETY: `host` has `unit.nbytes` bytes, the tensors their lengths, all live.
         unsafe { encode_unit(&unit, &tensors, host.as_mut_ptr() as usize) }.unwrap();
@@ -707,7 +936,7 @@ mod tests {
             nbytes: 200,
             bf16: true,
         }];
-        let unit = layout_coded_unit(&specs, &[vec![vec![0]]], usize::MAX).unwrap();
+        let unit = layout_coded_unit(&specs, &[vec![vec![0]]], None, usize::MAX).unwrap();
         let mut host = vec![0u8; unit.nbytes];
         // a tensor shorter than its pieces, or missing: refused before any write
         let short = [(a.as_ptr() as usize, 100)];

@@ -23,6 +23,7 @@ pub mod kernel;
 mod reader;
 mod readpool;
 mod stager;
+pub mod tiered;
 mod transport;
 
 pub use deferred::{take_deferred_error, ErrorSlot};

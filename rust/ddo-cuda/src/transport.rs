@@ -320,8 +320,15 @@ impl Transport {
             let have = self.decoder.as_ref().map_or(0, |r| r.landing_bytes());
             if need > have {
                 return Err(CudaError::InvalidArgument(format!(
-                    "a coded chunk of {need} bytes needs landing buffers that large, the decode                      ring has {have} (set_decoder first)"
+                    "a coded chunk of {need} bytes needs landing buffers that large, the decode ring has {have} \
+                     (set_decoder first)"
                 )));
+            }
+            if let Some(ring) = &self.decoder {
+                if unit.pieces.iter().any(|p| p.kind.tiered_counts().is_some()) {
+                    let _ctx = self.bind()?;
+                    ring.tiered()?; // compiled now, not in the first fetch
+                }
             }
         }
         self.coded_units

@@ -1,4 +1,5 @@
-//! The lossless 12-bit code for bf16 weights: unit layouts, host encode/decode, the GPU decode.
+//! The lossless codes for bf16 weights (the 12-bit fixed-rate code, the two-tier code): unit
+//! layouts, host encode/decode, the GPU decode.
 
 use ddo_core::codec::{self, PieceKind, TensorSpec};
 use ddo_cuda::Stream;
@@ -45,12 +46,37 @@ impl CodedUnit {
         self.coded().map(|(_, _, e)| e).sum()
     }
 
-    /// `(src, len, dst, values, escapes)` of each coded chunk.
+    /// `(src, len, dst, values, escapes, groups)` of each coded chunk; `groups` (tier-2 groups)
+    /// is `None` for the fixed-rate code.
     #[getter]
-    fn coded_pieces(&self) -> Vec<(usize, usize, usize, usize, usize)> {
+    fn coded_pieces(&self) -> Vec<(usize, usize, usize, usize, usize, Option<usize>)> {
         self.coded()
-            .map(|(p, v, e)| (p.src, p.len, p.dst, v, e))
+            .map(|(p, v, e)| {
+                (
+                    p.src,
+                    p.len,
+                    p.dst,
+                    v,
+                    e,
+                    p.kind.tiered_counts().map(|c| c.groups),
+                )
+            })
             .collect()
+    }
+
+    /// `"tiered"` when its chunks use the two-tier code, `"fixed"` otherwise.
+    #[getter]
+    fn code(&self) -> &'static str {
+        if self
+            .inner
+            .pieces
+            .iter()
+            .any(|p| p.kind.tiered_counts().is_some())
+        {
+            "tiered"
+        } else {
+            "fixed"
+        }
     }
 
     /// `(src, len, dst)` of each raw piece.
@@ -89,19 +115,35 @@ fn codec_count_escapes(
         .map_err(cuda_err)
 }
 
-/// Lays out a unit: `tensors` are `(slot_offset, nbytes, is_bf16)`, `escapes` the counts from
-/// `codec_count_escapes` per bf16 tensor (`[]` for the others).
+/// The two-tier code's counts of each `(address, values)` bf16 tensor, in the shape of
+/// `codec_count_escapes`: `(escapes, tier-2 groups)`, in parallel, GIL released.
 #[pyfunction]
+#[allow(clippy::type_complexity)]
+fn codec_count_tiered(
+    py: Python<'_>,
+    tensors: Vec<(usize, usize)>,
+) -> PyResult<(Vec<Vec<Vec<usize>>>, Vec<Vec<Vec<usize>>>)> {
+    // SAFETY: as codec_count_escapes.
+    py.detach(|| unsafe { ddo_cuda::codec::count_tiered_many(&tensors) })
+        .map_err(cuda_err)
+}
+
+/// Lays out a unit: `tensors` are `(slot_offset, nbytes, is_bf16)`, `escapes` the counts from
+/// `codec_count_escapes` (or `codec_count_tiered`) per bf16 tensor (`[]` for the others);
+/// `groups`, the tier-2 groups from `codec_count_tiered`, selects the two-tier code.
+#[pyfunction]
+#[pyo3(signature = (tensors, escapes, max_chunk_bytes, groups=None))]
 fn layout_coded_unit(
     tensors: Vec<(usize, usize, bool)>,
     escapes: Vec<Vec<Vec<usize>>>,
     max_chunk_bytes: usize,
+    groups: Option<Vec<Vec<Vec<usize>>>>,
 ) -> PyResult<CodedUnit> {
     let specs: Vec<TensorSpec> = tensors
         .into_iter()
         .map(|(dst, nbytes, bf16)| TensorSpec { dst, nbytes, bf16 })
         .collect();
-    codec::layout_coded_unit(&specs, &escapes, max_chunk_bytes)
+    codec::layout_coded_unit(&specs, &escapes, groups.as_deref(), max_chunk_bytes)
         .map(|inner| CodedUnit { inner })
         .map_err(|e| ConfigError::new_err(e.to_string()))
 }
@@ -135,9 +177,34 @@ fn codec_decode_unit(
         .map_err(cuda_err)
 }
 
-/// Queues the GPU decode of one chunk of `values` values with `escapes` escapes, at device
-/// address `chunk`, into device address `out`, on `stream` of device `device`.
+/// Decodes one chunk on the host with the reference decoder: `length` bytes at host address
+/// `src` into `values` bf16 values at host address `out` (`groups`: as `codec_decode_device`), GIL
+/// released.
 #[pyfunction]
+#[pyo3(signature = (src, length, out, values, escapes, groups=None))]
+fn codec_decode_host(
+    py: Python<'_>,
+    src: usize,
+    length: usize,
+    out: usize,
+    values: usize,
+    escapes: usize,
+    groups: Option<usize>,
+) -> PyResult<()> {
+    // SAFETY: the caller (streaming/coded.py's decoder check, the GPU tests) passes a live host
+    // buffer holding the chunk and a fresh CPU tensor of `values` bf16 values, disjoint.
+    py.detach(|| unsafe {
+        ddo_cuda::codec::decode_chunk_host(src, length, out, values, escapes, groups)
+    })
+    .map_err(cuda_err)
+}
+
+/// Queues the GPU decode of one chunk of `values` values with `escapes` escapes (and `groups`
+/// tier-2 groups: the two-tier code; `None`: the fixed-rate code), at device address `chunk`, into
+/// device address `out`, on `stream` of device `device`.
+#[pyfunction]
+#[pyo3(signature = (device, stream, chunk, out, values, escapes, groups=None))]
+#[allow(clippy::too_many_arguments)]
 fn codec_decode_device(
     py: Python<'_>,
     device: usize,
@@ -146,22 +213,27 @@ fn codec_decode_device(
     out: usize,
     values: usize,
     escapes: usize,
+    groups: Option<usize>,
 ) -> PyResult<()> {
-    let kernel = py
-        .detach(|| ddo_cuda::codec::decode_kernel(device))
-        .map_err(cuda_err)?;
-    // SAFETY: the callers (tests/test_gpu_codec.py, streaming/coded.py's decode-rate probe) pass
-    // data pointers of CUDA tensors on `device` holding the chunk and `2 * values` output bytes,
-    // alive until the stream ran the kernel, and `torch.cuda.Stream.cuda_stream` of that device.
-    unsafe {
-        ddo_cuda::codec::launch_decode(
-            &kernel,
-            Stream::from_raw(stream),
-            chunk,
-            out,
-            values,
-            escapes,
-        )
+    // SAFETY (this and both launches): the callers (tests/test_gpu_codec.py, streaming/coded.py's
+    // decode-rate probe and check) pass data pointers of CUDA tensors on `device` holding the chunk
+    // and `2 * values` output bytes, alive until the stream ran the kernel, and
+    // `torch.cuda.Stream.cuda_stream` of that device.
+    let stream = unsafe { Stream::from_raw(stream) };
+    match groups {
+        None => {
+            let kernel = py
+                .detach(|| ddo_cuda::codec::decode_kernel(device))
+                .map_err(cuda_err)?;
+            unsafe { ddo_cuda::codec::launch_decode(&kernel, stream, chunk, out, values, escapes) }
+        }
+        Some(groups) => {
+            let kernel = py
+                .detach(|| ddo_cuda::codec::tiered_kernel(device))
+                .map_err(cuda_err)?;
+            let counts = ddo_core::tiered::Counts { groups, escapes };
+            unsafe { ddo_cuda::tiered::launch_decode(&kernel, stream, chunk, out, values, counts) }
+        }
     }
     .map_err(cuda_err)
 }
@@ -172,9 +244,11 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CODEC_SUB_ELEMS", codec::SUB_ELEMS)?;
     m.add_class::<CodedUnit>()?;
     m.add_function(wrap_pyfunction!(codec_count_escapes, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_count_tiered, m)?)?;
     m.add_function(wrap_pyfunction!(layout_coded_unit, m)?)?;
     m.add_function(wrap_pyfunction!(codec_encode_unit, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_unit, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_device, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_decode_host, m)?)?;
     Ok(())
 }

@@ -1,0 +1,146 @@
+//! The GPU decoder of the two-tier code (`ddo_core::tiered`): one kernel, 8 values a thread.
+//!
+//! A thread loads its 8 sign+mantissa bytes (one 8-byte load) and 8 tier-1 codes (one 2-byte
+//! load), counts its tier-2 codes (`__popc`), and finds where they start in its block's tier-2
+//! stream by an exclusive prefix sum over the 64 threads of its 512-value block (a warp shuffle
+//! scan, then one shared word per warp: a block is two whole warps, a CUDA block of 256 threads
+//! four whole value blocks). Tier-2 codes are read 3 bits at a time at bit `3 q` of the stream;
+//! code 7 finds its exponent in the chunk's sorted escape list by binary search, as the fixed-rate
+//! kernel does. Padding values have tier-1 code 0 and take no tier-2 code.
+
+use ddo_core::codec::{self, VALUES_PER_THREAD};
+use ddo_core::tiered::{self, Counts};
+
+use crate::driver::Stream;
+use crate::error::{CudaError, Result};
+use crate::kernel::{Arg, Kernel, LaunchConfig};
+
+/// The kernel's source (`BLOCK` is replaced by the block size).
+pub const TIERED_SOURCE: &str = r#"
+extern "C" __global__ void ddo_decode_tiered(const unsigned char* __restrict__ chunk,
+    unsigned short* __restrict__ out, unsigned int n, unsigned int n_esc, unsigned int params,
+    unsigned int signs, unsigned int tier1, unsigned int tier2, unsigned int escapes) {
+  __shared__ unsigned int warp_total[32];
+  unsigned int i0 = (blockIdx.x * blockDim.x + threadIdx.x) * 8u;
+  bool live = i0 < n;
+  uint2 sm = make_uint2(0u, 0u);
+  unsigned int c1 = 0u;
+  if (live) {
+    sm = *reinterpret_cast<const uint2*>(chunk + signs + i0);
+    c1 = *reinterpret_cast<const unsigned short*>(chunk + tier1 + i0 / 4u);
+  }
+  unsigned int mine = __popc(c1 & (c1 >> 1) & 0x5555u);  // codes equal to 3
+  unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  unsigned int incl = mine;
+#pragma unroll
+  for (unsigned int d = 1u; d < 32u; d <<= 1) {
+    unsigned int up = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += up;
+  }
+  if (lane == 31u) warp_total[warp] = incl;
+  __syncthreads();
+  // a value block is two warps: the odd warp starts after the even one's total
+  unsigned int before = incl - mine + ((warp & 1u) ? warp_total[warp - 1u] : 0u);
+  if (!live) return;
+  unsigned int vb = i0 / BLOCK;
+  unsigned int pos = *reinterpret_cast<const unsigned int*>(chunk + 4u * vb) * 8u + before;
+  unsigned int b1 = chunk[params + 2u * vb], k = chunk[params + 2u * vb + 1u];
+  const unsigned char* t2 = chunk + tier2;
+  const unsigned int* esc = reinterpret_cast<const unsigned int*>(chunk + escapes);
+  unsigned int v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    unsigned int s = ((j < 4 ? sm.x : sm.y) >> (8 * (j & 3))) & 0xffu;
+    unsigned int c = (c1 >> (2 * j)) & 3u;
+    unsigned int e = b1 + c;
+    if (c == 3u) {
+      unsigned int bit = 3u * pos, at = bit >> 3, sh = bit & 7u;
+      unsigned int w = t2[at];
+      if (sh > 5u) w |= (unsigned int)t2[at + 1u] << 8;  // the code crosses into the next byte
+      unsigned int c2 = (w >> sh) & 7u;
+      ++pos;
+      if (c2 != 7u) {
+        e = c2 < k ? b1 - k + c2 : b1 + 3u + c2 - k;
+      } else {
+        unsigned int i = i0 + j, lo = 0u, hi = n_esc;
+        while (lo < hi) {
+          unsigned int mid = (lo + hi) / 2u;
+          if ((esc[mid] >> 8) < i) lo = mid + 1u; else hi = mid;
+        }
+        e = lo < n_esc ? (esc[lo] & 0xffu) : 0u;
+      }
+    }
+    v[j] = ((s & 0x80u) << 8) | ((e & 0xffu) << 7) | (s & 0x7fu);
+  }
+  if (i0 + 8u <= n) {
+    uint4 o = make_uint4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16),
+                         v[6] | (v[7] << 16));
+    *reinterpret_cast<uint4*>(out + i0) = o;
+  } else {
+    for (unsigned int j = 0; i0 + j < n; ++j) out[i0 + j] = (unsigned short)v[j];
+  }
+}
+"#;
+
+/// Threads per CUDA block: a multiple of the 64 threads of one value block.
+const THREADS: u32 = 256;
+const _: () = assert!((THREADS as usize).is_multiple_of(codec::BLOCK / VALUES_PER_THREAD));
+
+/// The source with the block size filled in.
+pub fn source() -> String {
+    TIERED_SOURCE.replace("BLOCK", &format!("{}u", codec::BLOCK))
+}
+
+/// The kernel's name in [`source`].
+pub const KERNEL_NAME: &str = "ddo_decode_tiered";
+
+/// Queues the decode of one two-tier chunk of `values` values with these counts, at device
+/// address `chunk`, into `values` bf16 values at device address `out`, on `stream`.
+///
+/// # Safety
+/// `chunk` holds the chunk's [`tiered::tiered_layout`] bytes and `out` `2 * values` writable
+/// bytes, 16-byte aligned, both device memory of `kernel`'s device, allocated and not written by
+/// anyone else until the decode completed; `stream` is a live stream of that device's primary
+/// context; `kernel` was built from [`source`].
+pub unsafe fn launch_decode(
+    kernel: &Kernel,
+    stream: Stream,
+    chunk: usize,
+    out: usize,
+    values: usize,
+    counts: Counts,
+) -> Result<()> {
+    if values == 0 {
+        return Ok(());
+    }
+    if values > codec::CHUNK_ELEMS || !out.is_multiple_of(16) || !chunk.is_multiple_of(16) {
+        return Err(CudaError::InvalidArgument(format!(
+            "a tiered decode of {values} values (at most {}) from {chunk:#x} to {out:#x} (both \
+             16-byte aligned)",
+            codec::CHUNK_ELEMS
+        )));
+    }
+    let lay = tiered::tiered_layout(values, counts);
+    let threads = values.div_ceil(VALUES_PER_THREAD) as u32;
+    let config = LaunchConfig {
+        grid: (threads.div_ceil(THREADS), 1, 1),
+        block: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let u = |x: usize| Arg::U32(x as u32); // all below 2^32: a chunk is at most 24 MiB
+    let args = [
+        Arg::Ptr(chunk as u64),
+        Arg::Ptr(out as u64),
+        u(values),
+        u(counts.escapes),
+        u(lay.params),
+        u(lay.signs),
+        u(lay.tier1),
+        u(lay.tier2),
+        u(lay.escapes),
+    ];
+    // SAFETY: the caller upholds the contract on `chunk`, `out` and `stream`; the kernel reads
+    // `lay.nbytes` bytes of `chunk` (tier-2 bytes only where a code lies) and writes
+    // `2 * values` bytes of `out`, no more.
+    unsafe { kernel.launch(config, stream, &args) }
+}
