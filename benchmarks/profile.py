@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="12GiB")
     p.add_argument("--preset", default="one_shot_fast")
     p.add_argument("--units", default="auto")
-    p.add_argument("--codec", default="off", help="off or fixed (the weights coded at 12 bits, decoded on the GPU)")
+    p.add_argument("--codec", default="off", help="off, fixed (the weights coded at 12 bits, decoded on the GPU) or tiered "
+                                                  "(about 11 bits)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/profile")

@@ -16,7 +16,6 @@ from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
 
 from .helpers import assert_restored, budgets, snapshot
 
-
 CODED = ["fixed", "tiered"]
 RATIO = {"fixed": (0.70, 0.80), "tiered": (0.62, 0.72)}
 

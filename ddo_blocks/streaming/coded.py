@@ -135,6 +135,12 @@ def reserve_bytes(module: nn.Module, codec: str, device: torch.device) -> int:
     return LANDING_BUFFERS * landing_bytes(module, codec)
 
 
+def _per_tensor(counts: list[Any], coded: list[bool]) -> list[Any]:
+    """Counts given for the coded tensors only, spread over all of them (``[]`` for the others)."""
+    it = iter(counts)
+    return [next(it) if b else [] for b in coded]
+
+
 class CodedSlabs(InMemoryStore):
     """Every streamed unit coded in host memory (the linear route with ``codec="fixed"`` or
     ``"tiered"``). Build it with :meth:`for_codec`."""
@@ -209,14 +215,10 @@ class CodedSlabs(InMemoryStore):
                     else:
                         esc_counts, group_counts = _native.codec_count_escapes(coded), None
 
-                    def per_tensor(counts: list[Any]) -> list[Any]:
-                        it = iter(counts)
-                        return [next(it) if b else [] for b in bf16]
-
                     specs = [(off, span_nbytes(t), b) for t, off, b in zip(srcs, e.offsets[u], bf16)]
-                    layout = _native.layout_coded_unit(specs, per_tensor(esc_counts),
-                                                       self.landing_bytes if self.pin else 1 << 62,
-                                                       per_tensor(group_counts) if group_counts is not None else None)
+                    layout = _native.layout_coded_unit(
+                        specs, _per_tensor(esc_counts, bf16), self.landing_bytes if self.pin else 1 << 62,
+                        _per_tensor(group_counts, bf16) if group_counts is not None else None)
                     tick = lap("count", tick)
                     storage, buf = _alloc(layout.nbytes)
                     tick = lap("alloc", tick)

@@ -156,6 +156,21 @@ impl Params {
         (c1, c2)
     }
 
+    /// Both codes, `c1 | c2 << 2`, of exponent `lo + d` for `d` in `0..16` (`lo = b1 - k`): the
+    /// ten covered exponents, then escapes (the encoder looks `min(e - lo, 15)` up, wrapping).
+    fn table(self) -> [u8; 16] {
+        let lo = self.b1 - self.k;
+        std::array::from_fn(|d| {
+            let (c1, c2) = self.codes(lo.wrapping_add(d as u16));
+            let c2 = if d < usize::from(COVERED) {
+                c2
+            } else {
+                T2_ESCAPE
+            };
+            (c1 | (c2 << 2)) as u8
+        })
+    }
+
     /// The exponent of tier-2 code `c` (below 7).
     #[inline(always)]
     fn tier2_exponent(self, c: u16) -> u16 {
@@ -323,6 +338,7 @@ pub fn encode_range(
     };
     let mut hist = [0u16; 256];
     let mut t2buf = [0u8; BLOCK + GROUP];
+    let mut t2at = [0u16; BLOCK];
     let (mut group, mut esc) = (0usize, 0usize);
     for (b, block) in values.chunks(BLOCK).enumerate() {
         let (p, t2_count, esc_count) = block_params(block, &mut hist);
@@ -334,8 +350,10 @@ pub fn encode_range(
         offsets[4 * b..4 * b + 4].copy_from_slice(&((first_group + group) as u32).to_le_bytes());
         params[2 * b] = p.b1 as u8;
         params[2 * b + 1] = p.k as u8;
-        // sign+mantissa and tier-1 codes for every value; tier-2 codes appended without branches;
-        // escapes (a few per block) where they fall
+        // per value one table lookup (both codes of the ten covered exponents, escapes beyond),
+        // tier-2 codes and their positions appended without branches, then the block's few escapes
+        let lut = p.table();
+        let lo = p.b1 - p.k;
         let len = block.len();
         let sg = &mut signs[at..at + len];
         let t1 = &mut tier1[at / 4..(at + len).div_ceil(4)];
@@ -343,22 +361,27 @@ pub fn encode_range(
         for (q, (quad, out)) in block.chunks(4).zip(sg.chunks_mut(4)).enumerate() {
             let mut byte = 0u8;
             for (j, (&v, s)) in quad.iter().zip(out.iter_mut()).enumerate() {
-                let e = exponent(v);
-                let (c1, c2) = p.codes(e);
                 *s = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
-                byte |= (c1 as u8) << (2 * j);
-                t2buf[pos & (BLOCK - 1)] = c2 as u8;
-                pos += usize::from(c1 == T1_NEXT);
-                if c1 == T1_NEXT && c2 == T2_ESCAPE {
+                let code = lut[usize::from(exponent(v).wrapping_sub(lo).min(15))];
+                byte |= (code & 3) << (2 * j);
+                t2buf[pos & (BLOCK - 1)] = code >> 2;
+                t2at[pos & (BLOCK - 1)] = (4 * q + j) as u16;
+                pos += usize::from(code & 3 == T1_NEXT as u8);
+            }
+            t1[q] = byte;
+        }
+        if esc_count > 0 {
+            for (&c2, &j) in t2buf[..pos].iter().zip(&t2at[..pos]) {
+                if u16::from(c2) == T2_ESCAPE {
                     if esc >= n_esc {
                         return changed();
                     }
-                    let entry = (((first + at + 4 * q + j) as u32) << 8) | u32::from(e);
+                    let j = usize::from(j);
+                    let entry = (((first + at + j) as u32) << 8) | u32::from(exponent(block[j]));
                     escapes[4 * esc..4 * esc + 4].copy_from_slice(&entry.to_le_bytes());
                     esc += 1;
                 }
             }
-            t1[q] = byte;
         }
         if pos != t2_count {
             return changed();
