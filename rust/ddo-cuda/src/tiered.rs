@@ -144,3 +144,128 @@ pub unsafe fn launch_decode(
     // `2 * values` bytes of `out`, no more.
     unsafe { kernel.launch(config, stream, &args) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ddo_core::tiered::{count_subs, decode_chunk, encode_chunk, tiered_layout};
+
+    /// The kernel's arithmetic, thread by thread, on the host: the same loads (little-endian words
+    /// at the same offsets), the same prefix over the 64 threads of a block, the same bit reads.
+    /// What it cannot check (shuffles, barriers, the store) the GPU tests do.
+    fn emulate(chunk: &[u8], n: usize, counts: Counts) -> Vec<u16> {
+        let lay = tiered_layout(n, counts);
+        let threads = n.div_ceil(8);
+        let c1_of = |t: usize| {
+            u32::from(u16::from_le_bytes([
+                chunk[lay.tier1 + 2 * t],
+                chunk[lay.tier1 + 2 * t + 1],
+            ]))
+        };
+        let mine = |t: usize| (c1_of(t) & (c1_of(t) >> 1) & 0x5555).count_ones();
+        let u32_at =
+            |a: usize| u32::from_le_bytes([chunk[a], chunk[a + 1], chunk[a + 2], chunk[a + 3]]);
+        let mut out = vec![0u16; n];
+        for t in 0..threads {
+            let i0 = 8 * t;
+            let first_thread = t - t % (codec::BLOCK / 8);
+            let before: u32 = (first_thread..t).map(mine).sum();
+            let vb = i0 / codec::BLOCK;
+            let mut pos = u32_at(lay.offsets + 4 * vb) * 8 + before;
+            let (b1, k) = (
+                u32::from(chunk[lay.params + 2 * vb]),
+                u32::from(chunk[lay.params + 2 * vb + 1]),
+            );
+            let c1 = c1_of(t);
+            for j in 0..8usize {
+                if i0 + j >= n {
+                    break;
+                }
+                let s = u32::from(chunk[lay.signs + i0 + j]);
+                let c = (c1 >> (2 * j)) & 3;
+                let mut e = b1 + c;
+                if c == 3 {
+                    let bit = 3 * pos as usize;
+                    let (at, sh) = (bit >> 3, (bit & 7) as u32);
+                    let mut w = u32::from(chunk[lay.tier2 + at]);
+                    if sh > 5 {
+                        w |= u32::from(chunk[lay.tier2 + at + 1]) << 8;
+                    }
+                    let c2 = (w >> sh) & 7;
+                    pos += 1;
+                    e = if c2 != 7 {
+                        if c2 < k {
+                            b1 - k + c2
+                        } else {
+                            b1 + 3 + c2 - k
+                        }
+                    } else {
+                        let esc = |m: usize| u32_at(lay.escapes + 4 * m);
+                        let i = (i0 + j) as u32;
+                        let (mut lo, mut hi) = (0usize, counts.escapes);
+                        while lo < hi {
+                            let mid = (lo + hi) / 2;
+                            if (esc(mid) >> 8) < i {
+                                lo = mid + 1
+                            } else {
+                                hi = mid
+                            }
+                        }
+                        if lo < counts.escapes {
+                            esc(lo) & 0xff
+                        } else {
+                            0
+                        }
+                    };
+                }
+                out[i0 + j] = (((s & 0x80) << 8) | ((e & 0xff) << 7) | (s & 0x7f)) as u16;
+            }
+        }
+        out
+    }
+
+    fn check(values: &[u16]) {
+        let subs = count_subs(values);
+        let counts = subs.iter().fold(Counts::default(), |a, &b| a + b);
+        let mut chunk = vec![0u8; tiered_layout(values.len(), counts).nbytes];
+        encode_chunk(values, &subs, &mut chunk).unwrap();
+        let mut reference = vec![0u16; values.len()];
+        decode_chunk(&chunk, counts, &mut reference).unwrap();
+        assert_eq!(reference, values);
+        assert_eq!(emulate(&chunk, values.len(), counts), values);
+    }
+
+    #[test]
+    fn the_kernel_arithmetic_decodes_what_the_encoder_wrote() {
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        // normal-ish weights of several scales, every bit pattern, random bits, odd lengths
+        let normal: Vec<u16> = (0..200_003)
+            .map(|i| {
+                let z = (0..6)
+                    .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32)
+                    .sum::<f32>()
+                    - 3.0;
+                let sigma = [0.02f32, 1.0, 1e-5][(i / 4096) % 3];
+                ((z * sigma).to_bits() >> 16) as u16
+            })
+            .collect();
+        check(&normal);
+        check(&(0..=u16::MAX).collect::<Vec<_>>());
+        check(&(0..70_001).map(|_| next() as u16).collect::<Vec<_>>());
+        for n in [1, 7, 8, 9, 511, 512, 513, 1023, 4097] {
+            check(&normal[..n]);
+        }
+        let mut zeros_and_escapes = vec![0u16; 3 * 512];
+        zeros_and_escapes[512..1024]
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v = (i as u16).wrapping_mul(977));
+        check(&zeros_and_escapes);
+    }
+}
