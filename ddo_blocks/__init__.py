@@ -37,6 +37,7 @@ from .errors import (
 from .loading import from_pretrained
 from .pipeline import PipelineOffload, offload_pipeline
 from .report import Report
+from .share import replica, share_weights
 from .streaming.slabs import release_warm_slabs, warm_bytes
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())  # silent unless the application configures logging
@@ -78,7 +79,9 @@ __all__ = [
     "parse_bytes",
     "presets",
     "routes",
+    "share_weights",
     "release_warm_slabs",
+    "replica",
     "resolve_device",
     "warm_bytes",
     "wrap",

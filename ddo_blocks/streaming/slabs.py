@@ -8,6 +8,12 @@ on the exact range) for the pinned presets, and left pageable for the staged one
 ``warm_process`` keeps slabs (and their page-locking) in a process-wide registry after ``remove()``;
 parameters keep pointing into them, so offloading the same weights again finds every tensor already
 in place and neither copies nor pins.
+
+Slabs are shared between offloads of modules whose parameters point into the same host memory
+(``ddo_blocks.share_weights``: a replica of a component for a second GPU): a unit whose tensors
+already sit in a live slab of another offload, at this unit's own layout, is *borrowed*, neither
+copied nor pinned again; each slab counts its users and is unpinned when the last one lets go (its
+memory lives as long as any tensor points into it).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class Slab:
     """The slab itself: ``nbytes`` bytes starting on a page boundary."""
     registration: object | None
     """``_native.HostRegistration`` while page-locked."""
+    users: int = 1
+    """Offloads holding the slab: its own and those that borrowed units from it."""
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +54,16 @@ class Slab:
     def ptr(self) -> int:
         return self.base.data_ptr()
 
+    def retain(self) -> Slab:
+        self.users += 1
+        return self
+
     def close(self) -> None:
+        """Lets go of the slab: the last user unpins it and takes it out of the live registry."""
+        self.users = max(0, self.users - 1)
+        if self.users:
+            return
+        _LIVE.pop(self.storage.untyped_storage().data_ptr(), None)
         if self.registration is not None:
             self.registration.close()
             self.registration = None
@@ -54,6 +71,9 @@ class Slab:
 
 _WARM: dict[int, Slab] = {}
 """Page-locked slabs kept for the process by ``warm_process``, by slab address."""
+
+_LIVE: dict[int, Slab] = {}
+"""Slabs of attached offloads, by the address of their storage: where a replica's units are found."""
 
 
 def release_warm_slabs() -> int:
@@ -127,6 +147,29 @@ class SlabSet:
         self.host_views: list[list[torch.Tensor]] = []
         self.reused_warm = False
         self.bytes_packed = 0
+        self.borrowed: dict[int, tuple[Slab, int]] = {}
+        """Units found in another offload's live slab: unit -> (that slab, the unit's offset in it)."""
+
+    def _find_borrowed(self) -> dict[int, tuple[Slab, int]]:
+        """The units whose tensors all sit in one live slab at this unit's layout, as this set
+        would pin it (pinned slabs for a pinned set, pageable for a pageable one)."""
+        if not _LIVE or self.keep_warm:
+            return {}
+        found: dict[int, tuple[Slab, int]] = {}
+        for u, (unit, offsets) in enumerate(zip(self.units, self.param_offsets)):
+            first = unit.params[0][1] if unit.params else None
+            if first is None or first.device.type != "cpu":
+                continue
+            slab = _LIVE.get(first.untyped_storage().data_ptr())
+            if slab is None or (slab.registration is not None) != self.pin:
+                continue
+            at = first.data_ptr() - slab.ptr - offsets[0]
+            if at < 0 or at + self.unit_nbytes[u] > slab.nbytes:
+                continue
+            if all(p.device.type == "cpu" and p.untyped_storage().data_ptr() == slab.storage.untyped_storage().data_ptr()
+                   and p.data_ptr() == slab.ptr + at + off for (_, p), off in zip(unit.params, offsets)):
+                found[u] = (slab, at)
+        return found
 
     # -- setup -------------------------------------------------------------------------------------
     def _find_warm(self) -> list[Slab] | None:
@@ -163,13 +206,17 @@ class SlabSet:
                 _WARM.pop(slab.ptr, None)
             self.host_views = [[p.data for _, p in unit.params] for unit in self.units]
             return
+        self.borrowed = self._find_borrowed()
+        if self.borrowed:
+            self._layout_own([u for u in range(len(self.units)) if u not in self.borrowed])
         # Warm slabs that hold some of these tensors at another layout (another budget or preset): the
         # tensors are copied out of them below, after which nothing points into them.
         storages = {p.untyped_storage().data_ptr() for u in self.units for _, p in u.params if p.device.type == "cpu"}
         stale = [w for w in _WARM.values() if w.storage.data_ptr() in storages]
         by_slab: list[list[int]] = [[] for _ in self.slab_sizes]
         for u, (s, _) in enumerate(self.placement):
-            by_slab[s].append(u)
+            if u not in self.borrowed:
+                by_slab[s].append(u)
         self.host_views = [[] for _ in self.units]
         # Page-locking a slab (about 0.1 s per GiB) runs on a background thread while the next slab
         # is filled; the registration call releases the GIL.
@@ -195,6 +242,24 @@ class SlabSet:
         for w in stale:  # unpin and forget them (tensors outside these units keep their memory alive)
             _WARM.pop(w.ptr, None)
             w.close()
+        for slab in self.slabs:
+            _LIVE[slab.storage.untyped_storage().data_ptr()] = slab
+        # borrowed units: their slabs come after this set's own, retained once each
+        held: dict[int, int] = {}
+        for u, (slab, at) in self.borrowed.items():
+            if id(slab) not in held:
+                held[id(slab)] = len(self.slabs)
+                self.slabs.append(slab.retain())
+            self.placement[u] = (held[id(slab)], at)
+            self.host_views[u] = [p.data for _, p in self.units[u].params]
+
+    def _layout_own(self, own: list[int]) -> None:
+        """Slabs for the units not borrowed only (the borrowed ones are placed after packing)."""
+        layout = _native.layout_slabs([self.unit_nbytes[u] for u in own], MAX_SLAB_BYTES)
+        self.slab_sizes = layout.slabs
+        self.placement = [(0, 0)] * len(self.units)
+        for u, p in zip(own, layout.placements):
+            self.placement[u] = (p.slab, p.offset)
 
     def _fill_slab(self, s: int, size: int, units: list[int], loader: Any) -> Slab:
         storage, base = _alloc(size)
@@ -233,11 +298,18 @@ class SlabSet:
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(s.nbytes for s in self.slabs if s.registration is not None)
+        """Bytes this set page-locked (its own slabs; borrowed ones are counted by their owner)."""
+        return sum(s.nbytes for s in self.slabs[: len(self.slab_sizes)] if s.registration is not None)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of this set's own slabs (what it added to host RAM)."""
         return sum(self.slab_sizes)
+
+    @property
+    def borrowed_bytes(self) -> int:
+        """Bytes of the units found in another offload's slabs (not copied, not pinned again)."""
+        return sum(self.unit_nbytes[u] for u in self.borrowed)
 
     # -- teardown ----------------------------------------------------------------------------------
     def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
@@ -250,6 +322,7 @@ class SlabSet:
                 for (_, p), v in zip(unit.params, self.host_views[u]):
                     p.data = v
             for slab in self.slabs:
+                _LIVE.pop(slab.storage.untyped_storage().data_ptr(), None)
                 _WARM[slab.ptr] = slab
             self.slabs = []
             return

@@ -162,7 +162,8 @@ class HostSlabs(InMemoryStore):
             self.slabs = None
 
     def report_sections(self, transport: Any) -> dict[str, dict[str, Any]]:
-        return {}
+        slabs = self.slabs
+        return {"plan": {"host_borrowed_bytes": slabs.borrowed_bytes if slabs is not None else 0}}
 
 
 def _placeholder(p: torch.Tensor) -> torch.Tensor:

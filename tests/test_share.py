@@ -1,0 +1,79 @@
+"""One host copy for several offloads (``share_weights`` / ``replica``) on the CPU engine: two
+offloads of one model's weights, each with its own plan and slots, exact, the second borrowing every
+unit the first holds in its slabs; either removed first, the other keeps working; bad requests are
+clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddo_blocks
+from ddo_blocks import ConfigError
+from ddo_blocks.streaming import slabs
+from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
+
+from .helpers import assert_restored, budgets, snapshot
+
+
+def _run(model, x):
+    with torch.no_grad():
+        return model(**x)[0]
+
+
+@pytest.mark.parametrize("first_removed", ["original", "replica"])
+def test_a_replica_borrows_the_host_slabs_and_both_stay_exact(first_removed):
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    snap = snapshot(model)
+    b = budgets(model)
+    h0 = ddo_blocks.offload(model, vram_budget=b["half"], device="cpu")
+    twin = ddo_blocks.replica(model)
+    assert twin is not model and all(p.device.type == "cpu" for p in twin.parameters())
+    h1 = ddo_blocks.offload(twin, vram_budget=b["all_streamed"], device="cpu")
+    p0, p1 = h0.report()["plan"], h1.report()["plan"]
+    # the replica streams more units than the original; those the original streams are borrowed (no
+    # copy), only those it keeps resident got slabs of the replica's own
+    assert p1["streamed_units"] > p0["streamed_units"] > 0
+    assert p1["host_borrowed_bytes"] > 0 and p0["host_borrowed_bytes"] == 0
+    assert p1["host_slab_bytes"] < p0["host_slab_bytes"]
+    s1 = h1.engine.store.slabs
+    both = {u.name for u in h0.engine.streamed}
+    assert s1.borrowed_bytes == sum(n for u, n in zip(h1.engine.streamed, s1.unit_nbytes) if u.name in both)
+    assert s1.nbytes >= sum(n for u, n in zip(h1.engine.streamed, s1.unit_nbytes) if u.name not in both) > 0
+    for _ in range(2):  # interleaved calls, each on its own slots
+        assert torch.equal(_run(model, x), ref)
+        assert torch.equal(_run(twin, x), ref)
+    shared = [s for s in h0.engine.store.slabs.slabs if s.users > 1]
+    assert shared and all(s.users == 2 for s in shared)
+    first, second = (h0, h1) if first_removed == "original" else (h1, h0)
+    first.remove()
+    assert all(s.users == 1 for s in shared)
+    alive = twin if first_removed == "original" else model
+    assert torch.equal(_run(alive, x), ref)
+    second.remove()
+    assert all(s.users == 0 for s in shared)
+    assert not any(id(s) in {id(v) for v in slabs._LIVE.values()} for s in shared)
+    assert torch.equal(_run(model, x), ref) and torch.equal(_run(twin, x), ref)  # both plain modules again
+    assert_restored(model, snap)
+
+
+def test_share_weights_refuses_what_it_cannot_share():
+    model = tiny_flux_transformer()
+    twin = tiny_flux_transformer()
+    with pytest.raises(ConfigError, match="is not offloaded by ddo_blocks"):
+        ddo_blocks.share_weights(model, twin)
+    handle = ddo_blocks.offload(model, vram_budget=budgets(model)["half"], device="cpu")
+    other = tiny_flux_transformer(num_layers=1)
+    with pytest.raises(ConfigError, match="different parameters"):
+        ddo_blocks.share_weights(model, other)
+    with pytest.raises(ConfigError, match="another module, not offloaded yet"):
+        ddo_blocks.share_weights(model, model)
+    with pytest.raises(ConfigError, match="not a diffusers model"):
+        ddo_blocks.replica(torch.nn.Linear(2, 2))
+    handle.remove()
+    coded = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed")
+    with pytest.raises(ConfigError, match="not a\\s+codec"):
+        ddo_blocks.share_weights(model, twin)
+    coded.remove()
