@@ -339,6 +339,7 @@ pub fn encode_range(
     let mut hist = [0u16; 256];
     let mut t2buf = [0u8; BLOCK + GROUP];
     let mut t2at = [0u16; BLOCK];
+    let mut codebuf = [0u8; BLOCK];
     let (mut group, mut esc) = (0usize, 0usize);
     for (b, block) in values.chunks(BLOCK).enumerate() {
         let (p, t2_count, esc_count) = block_params(block, &mut hist);
@@ -355,20 +356,25 @@ pub fn encode_range(
         let lut = p.table();
         let lo = p.b1 - p.k;
         let len = block.len();
-        let sg = &mut signs[at..at + len];
+        for (s, &v) in signs[at..at + len].iter_mut().zip(block) {
+            *s = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
+        }
+        let codes = &mut codebuf[..len];
+        for (c, &v) in codes.iter_mut().zip(block) {
+            *c = lut[usize::from(exponent(v).wrapping_sub(lo).min(15))];
+        }
         let t1 = &mut tier1[at / 4..(at + len).div_ceil(4)];
+        for (byte, quad) in t1.iter_mut().zip(codes.chunks(4)) {
+            *byte = quad
+                .iter()
+                .enumerate()
+                .fold(0u8, |b, (j, &c)| b | ((c & 3) << (2 * j)));
+        }
         let mut pos = 0usize;
-        for (q, (quad, out)) in block.chunks(4).zip(sg.chunks_mut(4)).enumerate() {
-            let mut byte = 0u8;
-            for (j, (&v, s)) in quad.iter().zip(out.iter_mut()).enumerate() {
-                *s = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
-                let code = lut[usize::from(exponent(v).wrapping_sub(lo).min(15))];
-                byte |= (code & 3) << (2 * j);
-                t2buf[pos & (BLOCK - 1)] = code >> 2;
-                t2at[pos & (BLOCK - 1)] = (4 * q + j) as u16;
-                pos += usize::from(code & 3 == T1_NEXT as u8);
-            }
-            t1[q] = byte;
+        for (j, &code) in codes.iter().enumerate() {
+            t2buf[pos & (BLOCK - 1)] = code >> 2;
+            t2at[pos & (BLOCK - 1)] = j as u16;
+            pos += usize::from(code & 3 == T1_NEXT as u8);
         }
         if esc_count > 0 {
             for (&c2, &j) in t2buf[..pos].iter().zip(&t2at[..pos]) {
