@@ -60,6 +60,8 @@ def offload_exact_within_budget(model, x, ref, activations, budget, **options):
     peak = torch.cuda.max_memory_allocated() - base_alloc
     for out in outs:
         assert torch.equal(out, ref)
+    runtime = handle.report()["runtime"]
+    assert runtime["host_call_s"] > 0 and 0 < runtime["host_fraction"] < 2.0, runtime  # launches: host ahead
     # weights on the GPU stay inside the budget; activations come on top (plus allocator rounding)
     assert peak <= budget + activations + (2 << 20), (peak, budget, activations)
     return handle

@@ -88,6 +88,8 @@ def test_cyclic_prefetch_has_no_misses_after_first_call(flux, units):
     assert rt["order_changes"] == first["order_changes"]
     # every call moves exactly the streamed units once (the prefetch of the next call included)
     assert rt["h2d_call_bytes"] == handle.report()["plan"]["streamed_bytes"]
+    # the host's share of a call: on the CPU engine the call is all host time
+    assert rt["host_call_s"] > 0 and rt["host_fraction"] == pytest.approx(1.0)
     handle.remove()
 
 

@@ -321,6 +321,8 @@ class StreamingEngine:
         secs = [c.seconds for c in calls]
         steady = secs[1:] if len(secs) > 1 else secs
         median = statistics.median(steady) if steady else None
+        host = [c.host_s for c in (calls[1:] if len(calls) > 1 else calls)]
+        host_median = statistics.median(host) if host else None
         fastest = min(steady) if steady else None
         fastest_call = min((c for c in (calls[1:] if len(calls) > 1 else calls)), key=lambda c: c.seconds, default=None)
         last_bytes = calls[-1].h2d_bytes if calls else None
@@ -360,6 +362,8 @@ class StreamingEngine:
                 calls=len(calls),
                 first_call_s=secs[0] if secs else None,
                 median_call_s=median,
+                host_call_s=host_median,
+                host_fraction=(host_median / median) if host_median is not None and median else None,
                 h2d_call_bytes=last_bytes,
                 h2d_gb_s=(last_bytes / median / 1e9) if median and last_bytes else None,
                 copies=fetches,

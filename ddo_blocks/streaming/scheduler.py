@@ -47,6 +47,9 @@ class CallRecord:
     seconds: float
     h2d_bytes: int
     misses: int
+    host_s: float = 0.0
+    """The call's time on the host: from entry to return, before the device finished its work (on
+    the CPU engine, the call itself). Near ``seconds`` when the host, not the device, sets the pace."""
 
 
 @dataclass
@@ -137,7 +140,7 @@ class Scheduler:
         self._call_event: Any = None
         self._call_bytes0 = 0
         self._call_misses0 = 0
-        self._pending_cuda_calls: list[tuple[Any, Any, int, int]] = []
+        self._pending_cuda_calls: list[tuple[Any, Any, int, int, float]] = []
         self._calls_started = 0
         self.calibration: Calibration | None = None
         self._calibrating = False
@@ -369,15 +372,16 @@ class Scheduler:
             self._calibrating = False
         nbytes = self.pipeline.bytes_moved() - self._call_bytes0
         misses = self.stats.misses - self._call_misses0
+        host_s = time.perf_counter() - self._call_t0
         if self.device.type == "cuda":
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.device))
-            self._pending_cuda_calls.append((self._call_event, end, nbytes, misses))
+            self._pending_cuda_calls.append((self._call_event, end, nbytes, misses, host_s))
             if len(self._pending_cuda_calls) > _MAX_PENDING_CALLS:  # long done: resolving waits for nothing
                 self._resolve_calls(self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2])
                 del self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2]
         else:
-            self.stats.calls.append(CallRecord(time.perf_counter() - self._call_t0, nbytes, misses))
+            self.stats.calls.append(CallRecord(host_s, nbytes, misses, host_s))
         if clean and self._trace and self._trace != self.sched:
             # Learn the confirmed execution order; refetch the start of the next call in it.
             self.stats.order_changes += 1
@@ -393,10 +397,10 @@ class Scheduler:
         self.pipeline.call_finished()
         self.pipeline.entry_call_done()
 
-    def _resolve_calls(self, pending: list[tuple[Any, Any, int, int]]) -> None:
-        for start, end, nbytes, misses in pending:
+    def _resolve_calls(self, pending: list[tuple[Any, Any, int, int, float]]) -> None:
+        for start, end, nbytes, misses, host_s in pending:
             end.synchronize()
-            self.stats.calls.append(CallRecord(start.elapsed_time(end) / 1e3, nbytes, misses))
+            self.stats.calls.append(CallRecord(start.elapsed_time(end) / 1e3, nbytes, misses, host_s))
 
     def call_records(self) -> list[CallRecord]:
         """Per-call timings (CUDA calls are resolved here, which waits for them to finish)."""
