@@ -182,21 +182,46 @@ impl Params {
     }
 }
 
+/// A block's exponent histogram, kept as four interleaved ones so that repeated exponents (most
+/// values share three or four) do not chain their increments through one memory word.
+pub(crate) struct Histogram([[u16; 256]; 4]);
+
+impl Histogram {
+    pub(crate) fn new() -> Self {
+        Self([[0; 256]; 4])
+    }
+}
+
 /// The parameters that code one block in the fewest bits (`b1` at or just below its most frequent
 /// exponent, `k` the split that leaves the fewest escapes), with the block's tier-2 codes and
 /// escapes under them. `hist` must be all zero; it is left so.
-fn block_params(block: &[u16], hist: &mut [u16; 256]) -> (Params, usize, usize) {
-    for &v in block {
-        hist[usize::from(exponent(v))] += 1;
+fn block_params(block: &[u16], hist: &mut Histogram) -> (Params, usize, usize) {
+    let parts = &mut hist.0;
+    let quads = block.chunks_exact(4);
+    let tail = quads.remainder();
+    for q in quads {
+        for (part, &v) in parts.iter_mut().zip(q) {
+            part[usize::from(exponent(v))] += 1;
+        }
+    }
+    for &v in tail {
+        parts[0][usize::from(exponent(v))] += 1;
+    }
+    let mut total = [0u16; 256];
+    for (e, t) in total.iter_mut().enumerate() {
+        *t = parts[0][e] + parts[1][e] + parts[2][e] + parts[3][e];
+    }
+    for part in parts.iter_mut() {
+        part.fill(0);
     }
     let mut mode = 0usize;
     for e in 1..256 {
-        if hist[e] > hist[mode] {
+        if total[e] > total[mode] {
             mode = e;
         }
     }
     let n = block.len();
-    let h = |e: usize| usize::from(hist[e]);
+    let h = |e: usize| usize::from(total[e]);
     let mut best = (usize::MAX, Params { b1: 0, k: 0 }, 0usize, 0usize);
     for b1 in mode.saturating_sub(2)..=mode.min(usize::from(MAX_B1)) {
         let tier1 = h(b1) + h(b1 + 1) + h(b1 + 2);
@@ -221,15 +246,12 @@ fn block_params(block: &[u16], hist: &mut [u16; 256]) -> (Params, usize, usize) 
             }
         }
     }
-    for &v in block {
-        hist[usize::from(exponent(v))] = 0;
-    }
     (best.1, best.2, best.3)
 }
 
 /// The counts of a range of values (the first value starts a block).
 pub fn count_range(values: &[u16]) -> Counts {
-    let mut hist = [0u16; 256];
+    let mut hist = Histogram::new();
     values
         .chunks(BLOCK)
         .map(|block| {
@@ -336,9 +358,8 @@ pub fn encode_range(
             "values {first}.. do not have the tier-2 groups and escapes counted: they changed while they were coded"
         )))
     };
-    let mut hist = [0u16; 256];
+    let mut hist = Histogram::new();
     let mut t2buf = [0u8; BLOCK + GROUP];
-    let mut t2at = [0u16; BLOCK];
     let mut codebuf = [0u8; BLOCK];
     let (mut group, mut esc) = (0usize, 0usize);
     for (b, block) in values.chunks(BLOCK).enumerate() {
@@ -371,18 +392,17 @@ pub fn encode_range(
                 .fold(0u8, |b, (j, &c)| b | ((c & 3) << (2 * j)));
         }
         let mut pos = 0usize;
-        for (j, &code) in codes.iter().enumerate() {
+        for &code in codes.iter() {
             t2buf[pos & (BLOCK - 1)] = code >> 2;
-            t2at[pos & (BLOCK - 1)] = j as u16;
             pos += usize::from(code & 3 == T1_NEXT as u8);
         }
         if esc_count > 0 {
-            for (&c2, &j) in t2buf[..pos].iter().zip(&t2at[..pos]) {
-                if u16::from(c2) == T2_ESCAPE {
+            const ESCAPED: u8 = (T1_NEXT | (T2_ESCAPE << 2)) as u8;
+            for (j, &code) in codes.iter().enumerate() {
+                if code == ESCAPED {
                     if esc >= n_esc {
                         return changed();
                     }
-                    let j = usize::from(j);
                     let entry = (((first + at + j) as u32) << 8) | u32::from(exponent(block[j]));
                     escapes[4 * esc..4 * esc + 4].copy_from_slice(&entry.to_le_bytes());
                     esc += 1;
