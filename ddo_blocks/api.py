@@ -20,6 +20,9 @@ from .streaming import guards
 
 _ATTR = "_ddo_offload"
 log = logging.getLogger("ddo_blocks")
+
+REPLAN_MIN_GAIN = 0.05
+"""``OffloadHandle.replan`` attaches the measured plan when it is predicted this much faster."""
 _UNUSABLE_ATTR = "_ddo_unusable"
 """Set on a module that a failed removal left without some of its weights."""
 
@@ -73,6 +76,8 @@ class OffloadHandle:
         self._removed = False
         self._guard: guards.ConversionGuard | None = None
         self.auto: AutoBudget | None = None
+        self._rebuild: tuple[routes.RouteSpec, dict[str, Any]] | None = None
+        """The route and its options: what ``replan`` and the auto budget attach again with."""
         """The ``vram_budget="auto"`` state (what was measured and chosen), or None."""
 
     @property
@@ -100,7 +105,6 @@ class OffloadHandle:
     def _auto_budget(self, auto: AutoBudget, spec: routes.RouteSpec, options: dict[str, Any]) -> None:
         """Measures the first call's activations and re-plans once after it (``autobudget``)."""
         self.auto = auto
-        self._rebuild = (spec, dict(options))
         if spec.needs_files:
             auto.done = True  # re-planning would read every disk unit back into RAM
             auto.reason = f"route {spec.name!r} reads weights from files: the first budget stays"
@@ -138,6 +142,48 @@ class OffloadHandle:
         self.engine, self.preset, self.vram_budget = fresh, chosen, new
         auto.replanned_bytes = new
         log.info("ddo_blocks: %s: vram_budget='auto' %s", self.component, auto.reason)
+
+    # -- re-planning with measured compute -------------------------------------------------------------
+    def replan(self, min_gain: float = REPLAN_MIN_GAIN) -> bool:
+        """Plans this offload again with the compute its units measured on the second call (the
+        calibration call) instead of the planner's prior, and attaches that plan when the simulator
+        predicts it at least ``min_gain`` faster (the report's ``plan.measured_plan_gain``). Same
+        route, preset, budget and granularity; the host copy is built again (seconds for a large
+        model, once). Returns whether the plan changed. A failed attach attaches the old plan again.
+
+        Raises:
+            OffloadStateError: removed, or no calibration yet (call the module twice first).
+        """
+        if self._removed:
+            raise OffloadStateError(f"the offload of {self.component} was removed; offload() the module again")
+        better = self.engine.measured_plan() if hasattr(self.engine, "measured_plan") else None
+        if better is None:
+            raise OffloadStateError(
+                f"{self.component}: nothing measured to re-plan with: call the module twice first (the second call "
+                "measures each unit's compute); offloads that stream nothing, and the NVMe route, do not re-plan"
+            )
+        if better["same_plan"] or better["gain"] is None or better["gain"] < min_gain or self._rebuild is None:
+            return False
+        spec, options = self._rebuild
+        old = self.engine
+        measured = (better["granularity"], better["unit_compute_s"])
+        old.detach()
+        try:
+            chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, self.vram_budget,
+                                                       self.device, dict(options), None, measured))
+            fresh.attach()
+        except DdoError as exc:
+            log.warning("ddo_blocks: %s: re-planning failed (%s); the earlier plan is attached again", self.component,
+                        exc)
+            chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, self.vram_budget,
+                                                       self.device, dict(options), None))
+            fresh.attach()
+            self.engine = fresh
+            return False
+        self.engine, self.preset = fresh, chosen
+        log.info("ddo_blocks: %s re-planned with measured compute: predicted %.4f s against %.4f s",
+                 self.component, better["predicted_step_s"], better["current_predicted_step_s"])
+        return True
 
     def remove(self) -> None:
         """Removes the offload and restores the module.
@@ -254,6 +300,7 @@ def offload(
     engine.attach()
     handle = OffloadHandle(module, engine, route=spec.name, preset=chosen, requested=preset, component=component,
                            vram_budget=budget, device=dev)
+    handle._rebuild = (spec, dict(route_options))
     if auto is not None:
         handle._auto_budget(auto, spec, route_options)
     setattr(module, _ATTR, handle)

@@ -97,11 +97,11 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     if chosen.host is HostMode.CALLER:
         return chosen, OffEngine(req.module, req.device)
     if coded.check_codec(codec, chosen) != "off":
-        return chosen, StreamingEngine(req.module, chosen, req.budget, req.device,
+        return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, measured=req.measured,
                                        store=coded.CodedSlabs.for_codec(codec), loader=req.loader, units=units,
                                        reserve_bytes=coded.reserve_bytes(req.module, codec, req.device),
                                        link_bytes=coded.link_bytes_estimate(codec))
-    return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=stores.HostSlabs,
+    return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, measured=req.measured, store=stores.HostSlabs,
                                    loader=req.loader, units=units)
 
 

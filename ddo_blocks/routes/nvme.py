@@ -41,7 +41,7 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     def store(engine: StreamingEngine) -> stores.FileStore:
         return stores.FileStore(engine, ram_budget=ram_budget, ram_auto=req.preset == "auto")
 
-    return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=store, loader=req.loader,
+    return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, measured=req.measured, store=store, loader=req.loader,
                                    units=units)
 
 

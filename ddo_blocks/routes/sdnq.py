@@ -127,7 +127,7 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     else:
         chosen = SPEC.preset_map[req.preset]
     fields = report_fields(sdnq_layers(req.module))
-    return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, store=stores.HostSlabs,
+    return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, measured=req.measured, store=stores.HostSlabs,
                                    loader=req.loader, units=units, compute_bytes=unit_compute_bytes,
                                    extra_sections=lambda: fields)
 

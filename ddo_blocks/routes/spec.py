@@ -131,6 +131,9 @@ class EngineRequest:
     device: torch.device
     options: dict[str, Any]
     loader: Any = None
+    measured: Any = None
+    """``(granularity, unit_compute_s)``: compute measured per unit of an earlier plan of this module
+    (``OffloadHandle.replan``), which a streaming engine plans with instead of its prior."""
 
 
 EngineFactory = Callable[[EngineRequest], "tuple[Preset, Engine]"]

@@ -52,6 +52,8 @@ class StreamingEngine:
         compute_bytes: per unit, the bytes its compute is estimated from before it is measured, when
             not its size (the sdnq route: its layers' dequantized weights).
         extra_sections: the route's own report fields (the sdnq route: its packed layers).
+        measured: ``(granularity, seconds per unit)`` measured on an earlier plan of this module
+            (``OffloadHandle.replan``): plan that granularity with those compute times.
     """
 
     owns_placement = True
@@ -61,15 +63,18 @@ class StreamingEngine:
                  store: Callable[[StreamingEngine], Any], loader: Any = None, units: str = "auto",
                  reserve_bytes: int = 0, link_bytes: plan.LinkBytes | None = None,
                  compute_bytes: plan.ComputeBytes | None = None,
-                 extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None):
+                 extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None,
+                 measured: tuple[str, list[float]] | None = None):
         self.module = module
         self.preset = preset
         self.budget = budget
         self.device = device
         self.loader = loader
         self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
+        self.reserve_bytes = reserve_bytes
+        self.measured = measured
         self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes,
-                                     link_bytes, compute_bytes)
+                                     link_bytes, compute_bytes, measured)
         self.plan = self.unit_plan.native
         self.granularity = self.unit_plan.granularity
         self.units = self.unit_plan.units
@@ -296,6 +301,38 @@ class StreamingEngine:
             "calibration_call_s": measured["call_s"],
         }
 
+    def measured_plan(self) -> dict[str, Any] | None:
+        """The plan the planner would choose with the compute measured on the calibration call (same
+        granularity, same budget), against the current plan under the same measurement: what
+        ``OffloadHandle.replan`` would attach. ``None`` before the calibration ran, without streamed
+        units, or for a store with a disk (its simulation is the RAM cache's)."""
+        cal = self.scheduler.calibration
+        if cal is None or cal.end is None or not self.streamed or self.store.sim_args():
+            return None
+        measured = cal.resolve(len(self.units))
+        current = self.calibrated_prediction()
+        budget = None if self.budget is None else self.budget - self.reserve_bytes
+        try:
+            native = _native.plan(
+                self.unit_bytes, base_bytes=self.unit_plan.base_bytes, budget_bytes=budget,
+                link_bytes_per_s=self.link_bytes_per_s,
+                compute_bytes_per_s=bandwidth.compute_bytes_per_s(self.device, self.link_bytes_per_s),
+                min_slots=self.preset.min_slots, max_slots=self.preset.max_slots,
+                unit_compute_s=measured["unit_compute_s"], link_bytes=self.unit_plan.link_bytes)
+        except DdoError:
+            return None
+        step = native.predicted_step_s + measured["rest_s"]
+        return {
+            "granularity": self.granularity,
+            "unit_compute_s": measured["unit_compute_s"],
+            "predicted_step_s": step,
+            "current_predicted_step_s": current["predicted_step_s"] if current else None,
+            "gain": 1 - step / current["predicted_step_s"] if current and current["predicted_step_s"] else None,
+            "slots": native.slots,
+            "resident_units": sum(native.resident),
+            "same_plan": list(native.resident) == list(self.plan.resident) and native.slots == self.plan.slots,
+        }
+
     @property
     def streamed_bytes(self) -> int:
         return sum(self.unit_bytes[u.index] for u in self.streamed)
@@ -349,6 +386,7 @@ class StreamingEngine:
                 host_slab_bytes=slabs.nbytes if slabs is not None else 0,
                 staging_bytes=self.preset.staging_bytes,
                 predicted_step_s=self.plan.predicted_step_s,
+                planned_with="compute measured on an earlier plan" if self.measured else "the compute prior",
             ),
             "setup": dict(
                 seconds=self.setup_s,
@@ -383,6 +421,10 @@ class StreamingEngine:
                 for c in calls
             ],
         }
+        better = self.measured_plan()
+        if better is not None:
+            sections["plan"].update(measured_plan_step_s=better["predicted_step_s"], measured_plan_gain=better["gain"],
+                                    measured_plan_same=better["same_plan"])
         for section, fields in self.store.report_sections(self.transport).items():
             sections.setdefault(section, {}).update(fields)
         for section, fields in (self._extra_sections() if self._extra_sections else {}).items():

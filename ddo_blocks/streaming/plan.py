@@ -69,7 +69,8 @@ it streams."""
 
 
 def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch.device, link: float,
-          preset: Preset, link_bytes: LinkBytes | None = None, compute_bytes: ComputeBytes | None = None) -> UnitPlan:
+          preset: Preset, link_bytes: LinkBytes | None = None, compute_bytes: ComputeBytes | None = None,
+          unit_compute_s: list[float] | None = None) -> UnitPlan:
     units, leftovers = split_units(module, granularity)
     base = sum(tensor_nbytes(p) for _, p in leftovers) + buffer_bytes(module)
     sizes = unit_sizes(units)
@@ -83,7 +84,8 @@ def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch
         compute_bytes_per_s=rate,
         min_slots=preset.min_slots,
         max_slots=preset.max_slots,
-        unit_compute_s=[b / rate for b in compute_bytes(units)] if compute_bytes is not None else None,
+        unit_compute_s=(unit_compute_s if unit_compute_s is not None
+                        else [b / rate for b in compute_bytes(units)] if compute_bytes is not None else None),
         link_bytes=sent,
     )
     return UnitPlan(granularity, units, leftovers, sizes, base, native, sent)
@@ -91,12 +93,14 @@ def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch
 
 def choose(module: nn.Module, budget: int | None, device: torch.device, link: float, preset: Preset,
            units: str = "auto", reserve: int = 0, link_bytes: LinkBytes | None = None,
-           compute_bytes: ComputeBytes | None = None) -> UnitPlan:
+           compute_bytes: ComputeBytes | None = None, measured: tuple[str, list[float]] | None = None) -> UnitPlan:
     """Blocks as units, unless the budget needs smaller units or the planner predicts a clearly
     faster step with each block's children as units (smaller slots leave more budget resident).
     ``reserve``: device bytes needed beside the weights and slots (a codec's landing buffers);
     ``link_bytes``: what each unit sends over the link, when not its size (a codec);
-    ``compute_bytes``: what each unit's compute is estimated from, when not its size (packed layers)."""
+    ``compute_bytes``: what each unit's compute is estimated from, when not its size (packed layers);
+    ``measured``: ``(granularity, seconds per unit)`` measured on an earlier plan: that granularity,
+    planned with those compute times."""
     if reserve and budget is not None:
         if budget <= reserve:
             raise BudgetError(
@@ -105,12 +109,15 @@ def choose(module: nn.Module, budget: int | None, device: torch.device, link: fl
             )
         try:
             return choose(module, budget - reserve, device, link, preset, units, link_bytes=link_bytes,
-                          compute_bytes=compute_bytes)
+                          compute_bytes=compute_bytes, measured=measured)
         except BudgetError as exc:
             raise BudgetError(
                 f"{exc} (after the {fmt_bytes(reserve)} of landing buffers the codec needs: add them to the "
                 "budget, or pass codec='off')"
             ) from exc
+    if measured is not None:
+        granularity, seconds = measured
+        return _plan(module, granularity, budget, device, link, preset, link_bytes, compute_bytes, seconds)
     if check_granularity(units) != "auto":
         return _plan(module, units, budget, device, link, preset, link_bytes, compute_bytes)
     try:

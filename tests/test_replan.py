@@ -1,0 +1,71 @@
+"""``OffloadHandle.replan``: the plan again with the compute each unit measured on the calibration
+call, attached when the simulator predicts it faster; outputs stay exact, and the report says what
+the measured plan would give (``plan.measured_plan_*``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddo_blocks
+from ddo_blocks import OffloadStateError
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int, reps: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.reps = reps
+
+    def forward(self, x):
+        for _ in range(self.reps):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+class Uneven(torch.nn.Module):
+    """Blocks of one size whose compute differs 40x: the planner's prior (compute in proportion to
+    bytes) sees them all alike; the measured compute does not."""
+
+    def __init__(self, n: int = 12, width: int = 512):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Block(width, 40 if i % 4 == 0 else 1) for i in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _run(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+def test_replan_attaches_the_plan_of_the_measured_compute_and_stays_exact(monkeypatch):
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.3")  # a slow link: where the resident units go matters
+    model = Uneven().eval().requires_grad_(False)
+    x = torch.randn(64, 512)
+    ref = _run(model, x)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    handle = ddo_blocks.offload(model, vram_budget=weights // 2, device="cpu", units="block")
+    with pytest.raises(OffloadStateError, match="call the module twice first"):
+        handle.replan()
+    for _ in range(3):
+        assert torch.equal(_run(model, x), ref)
+    before = handle.report()["plan"]
+    assert before["planned_with"] == "the compute prior"
+    assert before["measured_plan_same"] is False and before["measured_plan_gain"] > 0, before
+    old_engine = handle.engine
+    assert handle.replan(min_gain=0.0) is True
+    assert handle.engine is not old_engine
+    for _ in range(3):
+        assert torch.equal(_run(model, x), ref)
+    after = handle.report()["plan"]
+    assert after["planned_with"] == "compute measured on an earlier plan"
+    assert (after["slots"], after["resident_units"]) != (before["slots"], before["resident_units"])
+    assert after["gpu_bytes"] <= weights // 2
+    assert handle.replan() is False  # measured again: within 5 % of the plan it has
+    handle.remove()
+    assert torch.equal(_run(model, x), ref)
