@@ -102,10 +102,22 @@ def _files_hint(route: Any) -> str:
     return f"; route {route.name!r} streams from the model's files: python -m benchmarks.nvme benchmarks it"
 
 
+REPLAN = "replan"
+"""The ``+replan`` suffix of an ``ours`` row: ``handle.replan()`` after two calls, before the timing."""
+
+
+def split_options(sub: str) -> tuple[str, str, bool]:
+    """``PRESET[+CODEC][+replan]`` (``one_shot_fast+fixed+replan``) -> ``(PRESET, CODEC, replan)``."""
+    preset, *rest = sub.split("+")
+    replan = REPLAN in rest
+    codecs = [r for r in rest if r != REPLAN]
+    return preset, (codecs[0] if codecs else "off") if len(codecs) <= 1 else "+".join(codecs), replan
+
+
 def split_codec(sub: str) -> tuple[str, str]:
     """``PRESET+CODEC`` (``one_shot_fast+fixed``: the preset with a codec) -> ``(PRESET, CODEC)``."""
-    preset, _, codec = sub.partition("+")
-    return preset, codec or "off"
+    preset, codec, _ = split_options(sub)
+    return preset, codec
 
 
 def _check_ours(sub: str) -> None:
@@ -113,7 +125,8 @@ def _check_ours(sub: str) -> None:
 
     preset, codec = split_codec(sub)
     if codec not in CODECS:
-        raise SystemExit(f"unknown codec {codec!r} in {OURS}:{sub}; {OURS}:PRESET+CODEC takes {', '.join(CODECS)}")
+        raise SystemExit(f"unknown codec {codec!r} in {OURS}:{sub}; {OURS}:PRESET+CODEC takes {', '.join(CODECS)} "
+                         f"(and +{REPLAN}: re-planned with measured compute before the timing)")
     if preset in our_presets():
         return
     from ddo_blocks import routes
@@ -185,10 +198,11 @@ def _spec(route: str, preset: str | None = None, budget: tuple[str, int] | None 
 
 
 def _ours_specs(sub: str, budgets: list[tuple[str, int]]) -> list[dict[str, Any]]:
-    preset, codec = split_codec(sub)
+    preset, codec, replan = split_options(sub)
     route = our_presets()[preset]
     keep_warm = preset in route.preset_map and route.preset_map[preset].keep_warm
-    return [_spec(OURS, preset, b, ddo_blocks_route=route.name, keep_warm=keep_warm, codec=codec) for b in budgets]
+    return [_spec(OURS, preset, b, ddo_blocks_route=route.name, keep_warm=keep_warm, codec=codec, replan=replan)
+            for b in budgets]
 
 
 def _ddo_env(budget_bytes: int) -> dict[str, str]:
@@ -227,7 +241,8 @@ def make_specs(
         specs += _family_specs(sel, budgets, ddo_low, own)
     unique: dict[str, dict[str, Any]] = {}
     for s in specs:
-        sub = (s["preset"] or s["offload_type"] or "") + (f"+{s['codec']}" if s.get("codec", "off") != "off" else "")
+        sub = ((s["preset"] or s["offload_type"] or "") + (f"+{s['codec']}" if s.get("codec", "off") != "off" else "")
+               + (f"+{REPLAN}" if s.get("replan") else ""))
         s["selector"] = f"{s['route']}:{sub}" if s["route"] != "resident" else "resident"
         s["id"] = _safe("-".join(str(x) for x in (s["route"], sub, s["budget"]) if x))
         unique.setdefault(s["id"], s)  # the same route and budget asked twice (ours:X and ours:X@B) runs once

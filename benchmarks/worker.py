@@ -506,6 +506,23 @@ def _step(attached: Attached, inputs, dev, ctx, row: dict[str, Any]) -> None:
     row["step_s_min"] = min(timing.times)
 
 
+def _replan(attached: Attached, inputs, dev, row: dict[str, Any]) -> None:
+    """Two calls (the second measures each unit's compute), then ``handle.replan()``: whether the
+    plan changed, what it cost, and the measured plan's predicted gain."""
+    import torch
+
+    handle = attached.info["_state"]["handle"]
+    with torch.no_grad():
+        for _ in range(2):
+            attached.module(**inputs)
+    sync(dev)
+    row["replan_predicted_gain"] = handle.report()["plan"].get("measured_plan_gain")
+    t0 = time.perf_counter()
+    row["replanned"] = handle.replan()
+    sync(dev)
+    row["replan_s"] = time.perf_counter() - t0
+
+
 def _memory_after(attached: Attached, spec, dev, row: dict[str, Any]) -> None:
     """Peak GPU memory of the timed calls, the route's own facts after them, and the peers' pinned bytes."""
     import torch
@@ -536,6 +553,8 @@ def _measure_row(job: dict[str, Any], model, row: dict[str, Any]) -> None:
         row["process_warmup_s"] = _process_warmup(model, dev, dtype, ctx)
     attached = _attach(model, spec, dev, ctx, row)
     inputs = _row_inputs(attached.module, dev, dtype, ctx)
+    if spec.get("replan"):
+        _replan(attached, inputs, dev, row)
     _step(attached, inputs, dev, ctx, row)
     _memory_after(attached, spec, dev, row)
     if spec.get("keep_warm") and ctx.get("warm_rerun", True):

@@ -132,6 +132,11 @@ def test_codec_rows_run_beside_the_uncompressed_ones_and_a_bad_codec_is_refused(
     assert specs[-1]["selector"] == "ours:one_shot_fast+fixed" and specs[-1]["preset"] == "one_shot_fast"
     with pytest.raises(SystemExit, match="unknown codec 'zstd'.*off, fixed"):
         rows.expand_routes("ours:one_shot_fast+zstd")
+    assert rows.split_options("one_shot_fast+tiered+replan") == ("one_shot_fast", "tiered", True)
+    assert rows.split_options("one_shot_fast+replan") == ("one_shot_fast", "off", True)
+    assert rows.split_options("one_shot_fast") == ("one_shot_fast", "off", False)
+    (spec,) = rows.make_specs(rows.expand_routes("ours:one_shot_fast+fixed+replan"), budgets[:1], [])
+    assert spec["replan"] and spec["codec"] == "fixed" and spec["id"] == "ours-one_shot_fast_fixed_replan-min"
 
 
 @pytest.mark.parametrize(("token", "label", "nbytes"), [

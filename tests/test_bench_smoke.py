@@ -253,3 +253,14 @@ def test_host_contention_probe_says_it_needs_cuda_without_one(capsys):
         pytest.skip("a GPU is here: run the probe itself (docs/gpu.md)")
     assert host_contention.main(["--gib", "0.01"]) == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_a_replan_row_replans_before_its_timing(tmp_path: Path):
+    out = tmp_path / "replan"
+    _run(["-m", "benchmarks.run", "--device", "cpu", "--tiny", "--routes", "ours:one_shot_fast+tiered+replan",
+          "--budgets", "min", "--no-plot", "--no-bandwidth", "--repeats", "2", "--out", str(out)])
+    doc = json.loads((out / "results.json").read_text())
+    (row,) = doc["rows"]
+    assert row["status"] == "ok" and row["id"] == "ours-one_shot_fast_tiered_replan-min", row
+    assert isinstance(row["replanned"], bool) and row["replan_s"] >= 0 and row["step_s"] > 0
+    assert row["report"]["codec"]["codec"] == "tiered"
