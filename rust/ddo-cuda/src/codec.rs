@@ -69,7 +69,9 @@ extern "C" __global__ void ddo_decode12(const unsigned char* __restrict__ chunk,
 }
 "#;
 
-const THREADS: u32 = 256;
+/// Threads per CUDA block of the decode kernels: a multiple of the 64 threads of one 512-value
+/// block (the two-tier kernel's prefix sum needs whole value blocks in a CUDA block).
+pub(crate) const THREADS: u32 = 256;
 
 /// A compiled kernel: device ordinal, kernel name, the kernel.
 type CachedKernel = (usize, &'static str, Kernel);
@@ -120,6 +122,30 @@ pub unsafe fn launch_decode(
     values: usize,
     escapes: usize,
 ) -> Result<()> {
+    let lay = codec::chunk_layout(values, escapes);
+    let rest = [escapes, lay.signs, lay.codes, lay.escapes];
+    // SAFETY: the caller upholds launch_chunk's contract; the kernel reads `lay.nbytes` bytes of
+    // `chunk` and writes `2 * values` bytes of `out`, no more.
+    unsafe { launch_chunk(kernel, stream, chunk, out, values, &rest) }
+}
+
+/// Launches a decode kernel over one chunk, 8 values a thread in blocks of [`THREADS`], with the
+/// arguments `chunk, out, values` and then `rest` (each below 2^32: a chunk is at most 24 MiB).
+/// Refuses chunks over [`codec::CHUNK_ELEMS`] values and unaligned addresses.
+///
+/// # Safety
+/// As the decode it launches: `chunk` holds the chunk in the layout the kernel reads and `out`
+/// `2 * values` writable bytes, 16-byte aligned device memory of `kernel`'s device, allocated and
+/// not written by anyone else until the decode completed; `stream` is a live stream of that
+/// device's primary context; `rest` are the kernel's remaining arguments for this chunk.
+pub(crate) unsafe fn launch_chunk(
+    kernel: &Kernel,
+    stream: Stream,
+    chunk: usize,
+    out: usize,
+    values: usize,
+    rest: &[usize],
+) -> Result<()> {
     if values == 0 {
         return Ok(());
     }
@@ -130,25 +156,19 @@ pub unsafe fn launch_decode(
             codec::CHUNK_ELEMS
         )));
     }
-    let lay = codec::chunk_layout(values, escapes);
     let threads = values.div_ceil(codec::VALUES_PER_THREAD) as u32;
     let config = LaunchConfig {
         grid: (threads.div_ceil(THREADS), 1, 1),
         block: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let u = |x: usize| Arg::U32(x as u32); // all below 2^32: a chunk is at most 24 MiB
-    let args = [
+    let mut args = vec![
         Arg::Ptr(chunk as u64),
         Arg::Ptr(out as u64),
-        u(values),
-        u(escapes),
-        u(lay.signs),
-        u(lay.codes),
-        u(lay.escapes),
+        Arg::U32(values as u32),
     ];
-    // SAFETY: the caller upholds the contract on `chunk`, `out` and `stream`; the kernel reads
-    // `lay.nbytes` bytes of `chunk` and writes `2 * values` bytes of `out`, no more.
+    args.extend(rest.iter().map(|&x| Arg::U32(x as u32)));
+    // SAFETY: the caller upholds the contract on `chunk`, `out`, `stream` and the arguments.
     unsafe { kernel.launch(config, stream, &args) }
 }
 

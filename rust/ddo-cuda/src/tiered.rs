@@ -12,8 +12,8 @@ use ddo_core::codec::{self, VALUES_PER_THREAD};
 use ddo_core::tiered::{self, Counts};
 
 use crate::driver::Stream;
-use crate::error::{CudaError, Result};
-use crate::kernel::{Arg, Kernel, LaunchConfig};
+use crate::error::Result;
+use crate::kernel::Kernel;
 
 /// The kernel's source (`BLOCK` is replaced by the block size).
 pub const TIERED_SOURCE: &str = r#"
@@ -82,9 +82,8 @@ extern "C" __global__ void ddo_decode_tiered(const unsigned char* __restrict__ c
 }
 "#;
 
-/// Threads per CUDA block: a multiple of the 64 threads of one value block.
-const THREADS: u32 = 256;
-const _: () = assert!((THREADS as usize).is_multiple_of(codec::BLOCK / VALUES_PER_THREAD));
+const _: () =
+    assert!((crate::codec::THREADS as usize).is_multiple_of(codec::BLOCK / VALUES_PER_THREAD));
 
 /// The source with the block size filled in.
 pub fn source() -> String {
@@ -110,39 +109,18 @@ pub unsafe fn launch_decode(
     values: usize,
     counts: Counts,
 ) -> Result<()> {
-    if values == 0 {
-        return Ok(());
-    }
-    if values > codec::CHUNK_ELEMS || !out.is_multiple_of(16) || !chunk.is_multiple_of(16) {
-        return Err(CudaError::InvalidArgument(format!(
-            "a tiered decode of {values} values (at most {}) from {chunk:#x} to {out:#x} (both \
-             16-byte aligned)",
-            codec::CHUNK_ELEMS
-        )));
-    }
     let lay = tiered::tiered_layout(values, counts);
-    let threads = values.div_ceil(VALUES_PER_THREAD) as u32;
-    let config = LaunchConfig {
-        grid: (threads.div_ceil(THREADS), 1, 1),
-        block: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let u = |x: usize| Arg::U32(x as u32); // all below 2^32: a chunk is at most 24 MiB
-    let args = [
-        Arg::Ptr(chunk as u64),
-        Arg::Ptr(out as u64),
-        u(values),
-        u(counts.escapes),
-        u(lay.params),
-        u(lay.signs),
-        u(lay.tier1),
-        u(lay.tier2),
-        u(lay.escapes),
+    let rest = [
+        counts.escapes,
+        lay.params,
+        lay.signs,
+        lay.tier1,
+        lay.tier2,
+        lay.escapes,
     ];
-    // SAFETY: the caller upholds the contract on `chunk`, `out` and `stream`; the kernel reads
-    // `lay.nbytes` bytes of `chunk` (tier-2 bytes only where a code lies) and writes
-    // `2 * values` bytes of `out`, no more.
-    unsafe { kernel.launch(config, stream, &args) }
+    // SAFETY: the caller upholds launch_chunk's contract; the kernel reads `lay.nbytes` bytes of
+    // `chunk` (tier-2 bytes only where a code lies) and writes `2 * values` bytes of `out`.
+    unsafe { crate::codec::launch_chunk(kernel, stream, chunk, out, values, &rest) }
 }
 
 #[cfg(test)]
