@@ -77,3 +77,16 @@ def test_share_weights_refuses_what_it_cannot_share():
     with pytest.raises(ConfigError, match="not a\\s+codec"):
         ddo_blocks.share_weights(model, twin)
     coded.remove()
+
+
+def test_an_offload_dropped_without_remove_leaves_no_live_slab_behind():
+    import gc
+
+    model = tiny_flux_transformer()
+    handle = ddo_blocks.offload(model, vram_budget=budgets(model)["half"], device="cpu")
+    own = {id(s) for s in handle.engine.store.slabs.slabs}
+    keys = {k for k, s in slabs._LIVE.items() if id(s) in own}
+    assert keys
+    del handle, model
+    gc.collect()
+    assert not keys & set(slabs._LIVE.keys())

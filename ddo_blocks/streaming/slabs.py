@@ -18,6 +18,7 @@ memory lives as long as any tensor points into it).
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -72,8 +73,9 @@ class Slab:
 _WARM: dict[int, Slab] = {}
 """Page-locked slabs kept for the process by ``warm_process``, by slab address."""
 
-_LIVE: dict[int, Slab] = {}
-"""Slabs of attached offloads, by the address of their storage: where a replica's units are found."""
+_LIVE: weakref.WeakValueDictionary[int, Slab] = weakref.WeakValueDictionary()
+"""Slabs of attached offloads, by the address of their storage: where a replica's units are found.
+Weak: an offload dropped without ``remove()`` still frees its slabs."""
 
 
 def release_warm_slabs() -> int:
