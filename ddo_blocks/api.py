@@ -20,11 +20,11 @@ from .streaming import guards
 
 _ATTR = "_ddo_offload"
 log = logging.getLogger("ddo_blocks")
+_UNUSABLE_ATTR = "_ddo_unusable"
+"""Set on a module that a failed removal left without some of its weights."""
 
 REPLAN_MIN_GAIN = 0.05
 """``OffloadHandle.replan`` attaches the measured plan when it is predicted this much faster."""
-_UNUSABLE_ATTR = "_ddo_unusable"
-"""Set on a module that a failed removal left without some of its weights."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -76,9 +76,9 @@ class OffloadHandle:
         self._removed = False
         self._guard: guards.ConversionGuard | None = None
         self.auto: AutoBudget | None = None
+        """The ``vram_budget="auto"`` state (what was measured and chosen), or None."""
         self._rebuild: tuple[routes.RouteSpec, dict[str, Any]] | None = None
         """The route and its options: what ``replan`` and the auto budget attach again with."""
-        """The ``vram_budget="auto"`` state (what was measured and chosen), or None."""
 
     @property
     def removed(self) -> bool:
