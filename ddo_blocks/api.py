@@ -166,7 +166,7 @@ class OffloadHandle:
             return False
         spec, options = self._rebuild
         old = self.engine
-        measured = (better["granularity"], better["unit_compute_s"])
+        measured = better["measured"]
         old.detach()
         try:
             chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, self.vram_budget,

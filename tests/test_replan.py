@@ -69,3 +69,34 @@ def test_replan_attaches_the_plan_of_the_measured_compute_and_stays_exact(monkey
     assert handle.replan() is False  # measured again: within 5 % of the plan it has
     handle.remove()
     assert torch.equal(_run(model, x), ref)
+
+
+def test_replan_codes_fewer_units_when_the_decode_costs_more_than_the_link_saves(monkeypatch):
+    from ddo_blocks.tiny import flux_inputs
+
+    from .test_codec import bf16_flux
+
+    monkeypatch.setenv("DDO_LINK_GBPS", "1000")  # a link so fast that coding saves nothing
+    model = bf16_flux()
+    x = flux_inputs(model)
+    with torch.no_grad():
+        ref = model(**x)[0]
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed", units="block")
+    handle.engine.store.decode_bytes_per_s = 1e8  # as if measured on a GPU: a slow decode
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(**x)[0], ref)
+    before = handle.report()
+    assert before["codec"]["coded_bytes"] > 0
+    assert before["plan"]["measured_plan_coded_fraction"] == 0.0, before["plan"]
+    assert handle.replan(min_gain=0.0) is True
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(**x)[0], ref)
+    after = handle.report()
+    # the same store, every unit now sent as it is: nothing to decode
+    assert after["codec"]["coded_bytes"] == 0 and after["codec"]["codec"] == "fixed"
+    assert after["runtime"]["h2d_call_bytes"] > before["runtime"]["h2d_call_bytes"]
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], ref)

@@ -132,8 +132,9 @@ class EngineRequest:
     options: dict[str, Any]
     loader: Any = None
     measured: Any = None
-    """``(granularity, unit_compute_s)``: compute measured per unit of an earlier plan of this module
-    (``OffloadHandle.replan``), which a streaming engine plans with instead of its prior."""
+    """What an earlier plan of this module measured (``streaming.plan.Measured``: compute per unit,
+    and with a codec the units to code), which a streaming engine plans with instead of its prior
+    (``OffloadHandle.replan``)."""
 
 
 EngineFactory = Callable[[EngineRequest], "tuple[Preset, Engine]"]

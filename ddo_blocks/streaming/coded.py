@@ -201,6 +201,7 @@ class CodedSlabs(InMemoryStore):
 
         pinning: list[tuple[int, Future]] = []
         total = sum(e.layout_bytes)
+        mask = e.measured.coded if e.measured is not None else None  # a re-plan may code fewer units
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, _progress(
                 total, "coding", quiet=e.loader is not None) as bar:
             try:
@@ -208,7 +209,8 @@ class CodedSlabs(InMemoryStore):
                     tick = time.perf_counter()
                     srcs = self._sources(u)
                     tick = lap("read", tick)
-                    bf16 = [t.numel() >= MIN_CODED_VALUES and t.dtype == torch.bfloat16 for t in srcs]
+                    code = mask is None or mask[unit.index]
+                    bf16 = [code and t.numel() >= MIN_CODED_VALUES and t.dtype == torch.bfloat16 for t in srcs]
                     coded = [(t.data_ptr(), t.numel()) for t, b in zip(srcs, bf16) if b]
                     if self.codec == "tiered":
                         esc_counts, group_counts = _native.codec_count_tiered(coded)
@@ -303,6 +305,50 @@ class CodedSlabs(InMemoryStore):
         self.buffers = []
         self.landing = None
         self.decode_stream = None
+
+    # -- re-planning --------------------------------------------------------------------------------
+    def coded_mask(self) -> list[bool]:
+        """Per unit of the plan (streamed or not): whether this store codes it when it streams."""
+        e = self.engine
+        mask = e.measured.coded if e.measured is not None else None
+        return list(mask) if mask is not None else [True] * len(e.units)
+
+    def codec_variants(self, unit_compute_s: list[float]) -> list[Any]:
+        """Plans to try with measured compute (``plan.Measured``): a fraction of 0, 1/4, ... 1 of the
+        units that shrink coded, spread evenly in execution order, each with its link bytes (coded
+        or raw) and its compute with or without its decode (``bf16 bytes / decode rate``, taken off
+        the measured compute of the units coded now: decode and the model share the SMs). None
+        without a measured decode rate (the CPU engine decodes on the host, off the compute)."""
+        from .plan import Measured
+
+        e, rate = self.engine, self.decode_bytes_per_s
+        if not rate:
+            return []
+        n = len(e.units)
+        raw = list(e.unit_bytes)
+        coded_len = list(e.unit_plan.link_bytes) if e.unit_plan.link_bytes is not None else list(raw)
+        decoded = [b if c < b else 0 for b, c in zip(raw, coded_len)]  # estimate: all of a shrinking unit
+        for k, unit in enumerate(e.streamed):
+            if k < len(self.units):
+                coded_len[unit.index] = self.units[k].nbytes
+                decoded[unit.index] = 2 * self.units[k].coded_values
+        now = self.coded_mask()
+        streamed = {u.index for u in e.streamed}
+        decode_s = [d / rate for d in decoded]
+        pure = [max(0.0, c - (decode_s[i] if now[i] and i in streamed else 0.0)) for i, c in enumerate(unit_compute_s)]
+        eligible = [i for i in range(n) if coded_len[i] < raw[i]]
+        variants = []
+        for quarters in range(5):
+            mask = [False] * n
+            for j, i in enumerate(eligible):  # error diffusion: j-th eligible unit coded when the count steps
+                mask[i] = (j + 1) * quarters // 4 > j * quarters // 4
+            variants.append(Measured(
+                e.granularity,
+                [pure[i] + (decode_s[i] if mask[i] else 0.0) for i in range(n)],
+                [coded_len[i] if mask[i] else raw[i] for i in range(n)],
+                mask,
+            ))
+        return variants
 
     # -- figures -----------------------------------------------------------------------------------
     @property

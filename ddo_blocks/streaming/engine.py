@@ -52,8 +52,8 @@ class StreamingEngine:
         compute_bytes: per unit, the bytes its compute is estimated from before it is measured, when
             not its size (the sdnq route: its layers' dequantized weights).
         extra_sections: the route's own report fields (the sdnq route: its packed layers).
-        measured: ``(granularity, seconds per unit)`` measured on an earlier plan of this module
-            (``OffloadHandle.replan``): plan that granularity with those compute times.
+        measured: what an earlier plan of this module measured (``plan.Measured``,
+            ``OffloadHandle.replan``): plan that granularity with those compute times (and link bytes).
     """
 
     owns_placement = True
@@ -64,7 +64,7 @@ class StreamingEngine:
                  reserve_bytes: int = 0, link_bytes: plan.LinkBytes | None = None,
                  compute_bytes: plan.ComputeBytes | None = None,
                  extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None,
-                 measured: tuple[str, list[float]] | None = None):
+                 measured: plan.Measured | None = None):
         self.module = module
         self.preset = preset
         self.budget = budget
@@ -304,33 +304,49 @@ class StreamingEngine:
     def measured_plan(self) -> dict[str, Any] | None:
         """The plan the planner would choose with the compute measured on the calibration call (same
         granularity, same budget), against the current plan under the same measurement: what
-        ``OffloadHandle.replan`` would attach. ``None`` before the calibration ran, without streamed
-        units, or for a store with a disk (its simulation is the RAM cache's)."""
+        ``OffloadHandle.replan`` would attach. A store with a codec offers variants that code fewer
+        units (``codec_variants``: each unit's link bytes and compute with or without its decode),
+        so a compute-bound model can drop the decode it does not need. ``None`` before the
+        calibration ran, without streamed units, or for a store with a disk (its simulation is the
+        RAM cache's)."""
         cal = self.scheduler.calibration
         if cal is None or cal.end is None or not self.streamed or self.store.sim_args():
             return None
         measured = cal.resolve(len(self.units))
         current = self.calibrated_prediction()
         budget = None if self.budget is None else self.budget - self.reserve_bytes
-        try:
-            native = _native.plan(
-                self.unit_bytes, base_bytes=self.unit_plan.base_bytes, budget_bytes=budget,
-                link_bytes_per_s=self.link_bytes_per_s,
-                compute_bytes_per_s=bandwidth.compute_bytes_per_s(self.device, self.link_bytes_per_s),
-                min_slots=self.preset.min_slots, max_slots=self.preset.max_slots,
-                unit_compute_s=measured["unit_compute_s"], link_bytes=self.unit_plan.link_bytes)
-        except DdoError:
+        variants = [plan.Measured(self.granularity, measured["unit_compute_s"], self.unit_plan.link_bytes)]
+        if hasattr(self.store, "codec_variants"):
+            variants = self.store.codec_variants(measured["unit_compute_s"]) or variants
+        best: tuple[float, Any, plan.Measured] | None = None
+        for v in variants:
+            try:
+                native = _native.plan(
+                    self.unit_bytes, base_bytes=self.unit_plan.base_bytes, budget_bytes=budget,
+                    link_bytes_per_s=self.link_bytes_per_s,
+                    compute_bytes_per_s=bandwidth.compute_bytes_per_s(self.device, self.link_bytes_per_s),
+                    min_slots=self.preset.min_slots, max_slots=self.preset.max_slots,
+                    unit_compute_s=v.unit_compute_s, link_bytes=v.link_bytes)
+            except DdoError:
+                continue
+            if best is None or native.predicted_step_s < best[0] - 1e-12:
+                best = (native.predicted_step_s, native, v)
+        if best is None:
             return None
+        _, native, chosen = best
         step = native.predicted_step_s + measured["rest_s"]
+        now_coded = getattr(self.store, "coded_mask", lambda: None)()
+        same = (list(native.resident) == list(self.plan.resident) and native.slots == self.plan.slots
+                and (chosen.coded is None or chosen.coded == now_coded))
         return {
-            "granularity": self.granularity,
-            "unit_compute_s": measured["unit_compute_s"],
+            "measured": chosen,
             "predicted_step_s": step,
             "current_predicted_step_s": current["predicted_step_s"] if current else None,
             "gain": 1 - step / current["predicted_step_s"] if current and current["predicted_step_s"] else None,
             "slots": native.slots,
             "resident_units": sum(native.resident),
-            "same_plan": list(native.resident) == list(self.plan.resident) and native.slots == self.plan.slots,
+            "coded_fraction": (sum(chosen.coded) / len(chosen.coded)) if chosen.coded else None,
+            "same_plan": same,
         }
 
     @property
@@ -424,7 +440,8 @@ class StreamingEngine:
         better = self.measured_plan()
         if better is not None:
             sections["plan"].update(measured_plan_step_s=better["predicted_step_s"], measured_plan_gain=better["gain"],
-                                    measured_plan_same=better["same_plan"])
+                                    measured_plan_same=better["same_plan"],
+                                    measured_plan_coded_fraction=better["coded_fraction"])
         for section, fields in self.store.report_sections(self.transport).items():
             sections.setdefault(section, {}).update(fields)
         for section, fields in (self._extra_sections() if self._extra_sections else {}).items():

@@ -62,6 +62,18 @@ def unit_sizes(units: list[Unit]) -> list[int]:
 LinkBytes = Callable[[list[Unit]], list[int]]
 """Per unit, the bytes it sends over the link when streamed (a codec's estimate)."""
 
+@dataclass(frozen=True)
+class Measured:
+    """What an earlier plan of a module measured, to plan it again with (``OffloadHandle.replan``):
+    its granularity, each unit's compute seconds (with the decode of the units a codec is to code),
+    and, with a codec, the bytes each unit sends and which units are coded."""
+
+    granularity: str
+    unit_compute_s: list[float]
+    link_bytes: list[int] | None = None
+    coded: list[bool] | None = None
+
+
 ComputeBytes = Callable[[list[Unit]], list[int]]
 """Per unit, the bytes its compute is estimated from, when not its stored size: a packed layer
 (SDNQ) computes with its dequantized weight, so its compute scales with that, not with the bytes
@@ -70,11 +82,14 @@ it streams."""
 
 def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch.device, link: float,
           preset: Preset, link_bytes: LinkBytes | None = None, compute_bytes: ComputeBytes | None = None,
-          unit_compute_s: list[float] | None = None) -> UnitPlan:
+          measured: Measured | None = None) -> UnitPlan:
     units, leftovers = split_units(module, granularity)
     base = sum(tensor_nbytes(p) for _, p in leftovers) + buffer_bytes(module)
     sizes = unit_sizes(units)
     sent = link_bytes(units) if link_bytes is not None else None
+    if measured is not None and measured.link_bytes is not None:
+        sent = list(measured.link_bytes)
+    unit_compute_s = measured.unit_compute_s if measured is not None else None
     rate = bandwidth.compute_bytes_per_s(device, link)
     native = _native.plan(
         sizes,
@@ -93,14 +108,14 @@ def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch
 
 def choose(module: nn.Module, budget: int | None, device: torch.device, link: float, preset: Preset,
            units: str = "auto", reserve: int = 0, link_bytes: LinkBytes | None = None,
-           compute_bytes: ComputeBytes | None = None, measured: tuple[str, list[float]] | None = None) -> UnitPlan:
+           compute_bytes: ComputeBytes | None = None, measured: Measured | None = None) -> UnitPlan:
     """Blocks as units, unless the budget needs smaller units or the planner predicts a clearly
     faster step with each block's children as units (smaller slots leave more budget resident).
     ``reserve``: device bytes needed beside the weights and slots (a codec's landing buffers);
     ``link_bytes``: what each unit sends over the link, when not its size (a codec);
     ``compute_bytes``: what each unit's compute is estimated from, when not its size (packed layers);
-    ``measured``: ``(granularity, seconds per unit)`` measured on an earlier plan: that granularity,
-    planned with those compute times."""
+    ``measured``: what an earlier plan measured (:class:`Measured`): its granularity, planned with
+    those compute times (and link bytes)."""
     if reserve and budget is not None:
         if budget <= reserve:
             raise BudgetError(
@@ -116,8 +131,7 @@ def choose(module: nn.Module, budget: int | None, device: torch.device, link: fl
                 "budget, or pass codec='off')"
             ) from exc
     if measured is not None:
-        granularity, seconds = measured
-        return _plan(module, granularity, budget, device, link, preset, link_bytes, compute_bytes, seconds)
+        return _plan(module, measured.granularity, budget, device, link, preset, link_bytes, compute_bytes, measured)
     if check_granularity(units) != "auto":
         return _plan(module, units, budget, device, link, preset, link_bytes, compute_bytes)
     try:
