@@ -109,4 +109,13 @@ def replica(module: nn.Module) -> nn.Module:
     with torch.device("meta"):
         twin = cls.from_config(config)
     share_weights(module, twin)
+    # tensors kept as plain attributes (not parameters or buffers) were built on meta: not usable
+    left = [f"{name}.{k}" if name else k for name, m in twin.named_modules() for k, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    if left:
+        raise ConfigError(
+            f"replica: {cls.__name__} keeps tensors outside its parameters and buffers ({', '.join(left[:4])}), which "
+            "a replica built from its config cannot share; build the second instance yourself and call "
+            "ddo_blocks.share_weights(module, twin)"
+        )
     return twin.eval().requires_grad_(False)

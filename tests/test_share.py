@@ -90,3 +90,27 @@ def test_an_offload_dropped_without_remove_leaves_no_live_slab_behind():
     del handle, model
     gc.collect()
     assert not keys & set(slabs._LIVE.keys())
+
+
+def test_replica_refuses_a_model_that_keeps_tensors_outside_parameters_and_buffers():
+    from diffusers import ConfigMixin, ModelMixin
+    from diffusers.configuration_utils import register_to_config
+
+    class WithTable(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, n: int = 64):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(n, n) for _ in range(4))
+            self.table = torch.arange(n, dtype=torch.float32)  # a plain attribute
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x + self.table
+
+    model = WithTable().eval().requires_grad_(False)
+    handle = ddo_blocks.offload(model, vram_budget=ddo_blocks.minimum_budget(model), device="cpu")
+    assert handle.report()["plan"]["streamed_units"] > 0
+    with pytest.raises(ConfigError, match=r"keeps tensors outside its parameters and buffers \(table\)"):
+        ddo_blocks.replica(model)
+    handle.remove()
