@@ -32,8 +32,13 @@ def _codec(r: dict[str, Any]) -> str:
     return f"+{r['codec']}" if r.get("codec", "off") not in (None, "off") else ""
 
 
+def _replan(r: dict[str, Any]) -> str:
+    return "+replan" if r.get("replan") else ""
+
+
 def row_key(r: dict[str, Any]) -> str:
-    return f"{r.get('route')}|{r.get('preset') or r.get('offload_type') or '-'}{_codec(r)}|{r.get('budget') or '-'}"
+    sub = f"{r.get('preset') or r.get('offload_type') or '-'}{_codec(r)}{_replan(r)}"
+    return f"{r.get('route')}|{sub}|{r.get('budget') or '-'}"
 
 
 def label(r: dict[str, Any]) -> str:
@@ -41,7 +46,12 @@ def label(r: dict[str, Any]) -> str:
     if route == "resident":
         return "all weights resident"
     if route == "ours":
-        return f"ddo_blocks linear {r.get('preset')}" + (f" codec={r['codec']}" if _codec(r) else "")
+        replan = ""
+        if r.get("replan"):
+            gain = r.get("replan_predicted_gain")
+            replan = (" re-planned" if r.get("replanned") else " replan kept the plan") + (
+                f" (predicted {gain:+.0%})" if gain is not None else "")
+        return f"ddo_blocks linear {r.get('preset')}" + (f" codec={r['codec']}" if _codec(r) else "") + replan
     if route == "diffusers":
         return f"diffusers group offload {r.get('offload_type')}" + (
             " (use_stream)" if r.get("use_stream") else ""

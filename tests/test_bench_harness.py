@@ -208,3 +208,13 @@ def test_isolation_asked_for_is_kept_and_fork_failures_are_recognised():
     assert choose_isolation("auto")[0] in ("fork", "spawn")
     assert is_fork_cuda_failure("RuntimeError: Cannot re-initialize CUDA in forked subprocess")
     assert not is_fork_cuda_failure("CUDA out of memory")
+
+
+def test_replan_rows_have_their_own_key_and_label():
+    from benchmarks.results import label, row_key
+
+    plain = {"route": "ours", "preset": "one_shot_fast", "codec": "fixed", "budget": "min"}
+    replanned = {**plain, "replan": True, "replanned": True, "replan_predicted_gain": 0.12}
+    assert row_key(plain) != row_key(replanned)
+    assert label(replanned) == "ddo_blocks linear one_shot_fast codec=fixed re-planned (predicted +12%)"
+    assert label({**plain, "replan": True, "replanned": False}).endswith("replan kept the plan")
