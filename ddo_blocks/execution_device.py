@@ -8,6 +8,10 @@ create its latents and prompt embeddings on the CPU. The hook changes no input o
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from torch import nn
@@ -36,3 +40,21 @@ def remove_device_hook(module: nn.Module) -> None:
     """Removes the hook if ``module`` has ours."""
     if getattr(getattr(module, "_hf_hook", None), "_ddo_owned", False):
         remove_hook_from_module(module)
+
+
+@contextlib.contextmanager
+def stage_device(modules: Any, device: torch.device) -> Iterator[None]:
+    """While a stage runs, every component carrying our hook reports ``device``, so the pipeline's
+    ``_execution_device`` (the first component's hook) is this stage's device when stages run on
+    different GPUs; the hooks get their devices back after it. With one device it changes nothing."""
+    changed = []
+    for module in modules:
+        hook = getattr(module, "_hf_hook", None)
+        if isinstance(module, nn.Module) and getattr(hook, "_ddo_owned", False) and hook.execution_device != device:
+            changed.append((hook, hook.execution_device))
+            hook.execution_device = device
+    try:
+        yield
+    finally:
+        for hook, old in changed:
+            hook.execution_device = old

@@ -112,6 +112,39 @@ def test_execution_device_resolves_through_the_block_hook(components):
     remove_offload(pipe)
 
 
+def test_a_stage_can_name_its_own_device(components, reference, monkeypatch):
+    blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder={"device": "cpu", "route": "resident"},
+                             denoise={"device": "cpu"})
+    assert blocks.sub_blocks["text_encoder"].device == torch.device("cpu")
+    assert blocks.sub_blocks["text_encoder"].component_policies["text_encoder"].route == "resident"
+    pipe, state = _run(blocks, components)
+    assert torch.equal(state.get("images"), reference)
+    stage = state.get(REPORTS_KEY)["text_encoder"]["text_encoder"]["stage"]
+    assert stage["device"] == "cpu" and stage["moved_in"] == 0  # one device: nothing crosses
+    remove_offload(pipe)
+    with pytest.raises(ddo_blocks.CudaNotAvailableError, match="cuda:1"):
+        ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder={"device": "cuda:1"})
+    # a component two stages share lives on one device (checked before any device is opened)
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("ddo_blocks.blocks.wrap"), "resolve_device", torch.device)
+    with pytest.raises(ConfigError, match="component 'vae' is used by stages .* on different devices"):
+        ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", decode={"device": "cuda:1"})
+
+
+def test_the_state_moves_only_tensors_of_another_gpu():
+    from diffusers.modular_pipelines import PipelineState
+
+    from ddo_blocks.blocks.block import move_state
+
+    state = PipelineState()
+    state.set("latents", torch.ones(2))
+    state.set("pair", (torch.zeros(1), 3))
+    assert move_state(state, torch.device("cpu")) == 0
+    assert move_state(state, torch.device("cuda", 0)) == 0  # CPU tensors stay where the pipeline put them
+    assert torch.equal(state.get("latents"), torch.ones(2))
+
+
 def test_release_takes_the_text_encoders_off_the_device(components, reference):
     blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="resident", denoise="resident",
                              decode="resident")
@@ -374,3 +407,24 @@ def test_a_block_policy_takes_the_min_budget(components, reference):
     assert rep["plan"]["vram_budget"] == ddo_blocks.minimum_budget(components["transformer"])
     assert torch.equal(state.get("images"), reference)
     ddo_blocks.blocks.remove_offload(pipe)
+
+
+@pytest.mark.gpu
+def test_stages_on_two_gpus_give_the_one_gpu_image(flux_dir):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (the nvidia-h200-x2 machine)")
+    one = ddo_blocks.wrap(FluxAutoBlocks(), device="cuda:0", text_encoder="resident", decode="resident")
+    pipe, state = _run(one, load_components(flux_dir))
+    ref = state.get("images").cpu()
+    remove_offload(pipe)
+    comps = load_components(flux_dir)
+    two = ddo_blocks.wrap(FluxAutoBlocks(), device="cuda:0", text_encoder={"device": "cuda:1", "route": "resident"},
+                          denoise={"route": "linear", "vram_budget": minimum_budget(comps["transformer"])},
+                          decode="resident")
+    pipe, state = _run(two, comps)
+    assert torch.equal(state.get("images").cpu(), ref)
+    reports = state.get(REPORTS_KEY)
+    assert reports["text_encoder"]["text_encoder"]["stage"]["device"] == "cuda:1"
+    assert reports["denoise"]["transformer"]["stage"]["device"] == "cuda:0"
+    assert reports["denoise"]["transformer"]["stage"]["moved_in"] > 0  # the prompt embeddings crossed once
+    remove_offload(pipe)

@@ -28,7 +28,7 @@ from torch import nn
 from ..api import OffloadHandle, get_handle, minimum_budget, offload, resolve_device
 from ..budget import fmt_bytes
 from ..errors import BudgetError, ConfigError, DdoError, OffloadStateError
-from ..execution_device import add_device_hook, remove_device_hook
+from ..execution_device import add_device_hook, remove_device_hook, stage_device
 from ..report import Report
 from .policy import OffloadPolicy, default_policy, parse_stage_policy
 
@@ -124,6 +124,8 @@ class OffloadBlock(ModularPipelineBlocks):
                 raise ConfigError(f"stage {self.stage!r}, component {name!r}: {exc}") from None
         self._handles: dict[str, OffloadHandle] = {}
         self._runs = 0
+        self._moved_tensors = 0
+        """State values moved onto this stage's device from another GPU's stage, all runs."""
         self._last_reports: dict[str, Report] = {}
 
     default_stage: str | None = None
@@ -311,8 +313,9 @@ class OffloadBlock(ModularPipelineBlocks):
         out = {}
         for name, handle in self._handles.items():
             rep = handle.report()
-            rep.data["stage"] = {"name": self.stage, "run": self._runs, "seconds": stage_s,
-                                 "gpu_peak_allocated": peak, "policy": self.component_policies[name].describe()}
+            rep.data["stage"] = {"name": self.stage, "run": self._runs, "seconds": stage_s, "device": str(self.device),
+                                 "gpu_peak_allocated": peak, "policy": self.component_policies[name].describe(),
+                                 "moved_in": self._moved_tensors}
             rep.data["runtime"]["stage_s"] = stage_s
             out[name] = rep
         return out
@@ -328,6 +331,13 @@ class OffloadBlock(ModularPipelineBlocks):
 
     @torch.no_grad()
     def __call__(self, components: Any, state: PipelineState):
+        moved = move_state(state, self.device)  # the outputs of a stage on another GPU, once
+        if moved:
+            self._moved_tensors += moved
+        with stage_device(_pipeline_modules(components), self.device):
+            return self._run(components, state)
+
+    def _run(self, components: Any, state: PipelineState):
         if not self.will_run(state):
             return self._block(components, state)
         if self._runs == 0:  # errors before work: every stage of the pipeline, before this one runs
@@ -353,6 +363,40 @@ class OffloadBlock(ModularPipelineBlocks):
         all_reports[self.stage] = reports
         state.set(REPORTS_KEY, all_reports)
         return components, state
+
+
+def _pipeline_modules(components: Any) -> list[nn.Module]:
+    """The pipeline's components with weights (a ModularPipeline's ``components``)."""
+    found = getattr(components, "components", None)
+    return [m for m in (found.values() if isinstance(found, dict) else ()) if isinstance(m, nn.Module)]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cuda" and value.device != device:
+            return value.to(device, non_blocking=True)
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_to(v, device) for v in value]
+        if any(a is not b for a, b in zip(items, value)):
+            return type(value)(items) if isinstance(value, list) else tuple(items)
+    return value
+
+
+def move_state(state: Any, device: torch.device) -> int:
+    """Moves the pipeline state's tensors that sit on another CUDA device (a stage on another GPU
+    made them) to ``device``, a stage on a GPU; CPU tensors and other values stay. Returns how many
+    values moved."""
+    values = getattr(state, "values", None)
+    if device.type != "cuda" or not isinstance(values, dict):
+        return 0
+    moved = 0
+    for key, value in list(values.items()):
+        new = _to(value, device)
+        if new is not value:
+            values[key] = new
+            moved += 1
+    return moved
 
 
 class TextEncoderBlock(OffloadBlock):

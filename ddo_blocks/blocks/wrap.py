@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from diffusers.modular_pipelines import SequentialPipelineBlocks
 
+from ..api import resolve_device
 from ..errors import ConfigError
 from .block import STAGE_FORMS, OffloadBlock, module_components
 from .policy import STAGE_KINDS, OffloadPolicy, default_policy, parse_stage_policy
@@ -46,7 +48,9 @@ def wrap(
         text_encoder, denoise, decode, **stages: each stage's policy: a route name, a mapping
             (``{"route": "linear", "preset": "one_shot_fast", "vram_budget": "6GiB"}`` plus route options),
             an :class:`OffloadPolicy`, or a mapping from component name to any of those. ``None``: the
-            preset's default.
+            preset's default. A mapping may name the stage's own ``"device"`` (``text_encoder={"device":
+            "cuda:1", "route": "resident"}``): that stage computes there, with its own routes and
+            budgets, and the tensors it hands on move to the next stage's GPU at the boundary, once.
 
     A component that two stages share (the VAE of ``vae_encoder`` and ``decode``) gets one policy:
     the one of the named stage (``text_encoder``, ``denoise``, ``decode``) that has it.
@@ -63,6 +67,12 @@ def wrap(
     out = copy.deepcopy(blocks)
     real = list(out.sub_blocks)
     asked = {"text_encoder": text_encoder, "denoise": denoise, "decode": decode, **stages}
+    devices: dict[str, Any] = {}
+    for name, value in list(asked.items()):
+        if isinstance(value, Mapping) and not isinstance(value, OffloadPolicy) and "device" in value:
+            rest = {k: v for k, v in value.items() if k != "device"}
+            devices[name] = resolve_device(value["device"])
+            asked[name] = rest or None
     unknown = [s for s, v in asked.items() if v is not None and s not in real]
     if unknown:
         raise ConfigError(
@@ -100,8 +110,17 @@ def wrap(
                 )
             chosen.setdefault(comp, (pol, stage))
         per_stage[stage] = policies
+    where = {stage: devices.get(stage, device) for stage in per_stage}
+    for comp in chosen if devices else ():
+        users = [s for s in per_stage if comp in per_stage[s]]
+        places = {str(resolve_device(where[s])) for s in users}
+        if len(places) > 1:
+            raise ConfigError(
+                f"component {comp!r} is used by stages {', '.join(map(repr, users))} on different devices "
+                f"({', '.join(sorted(places))}); a component lives on one device: give those stages the same device"
+            )
     for stage, policies in per_stage.items():
         form = STAGE_FORMS.get(stage, OffloadBlock)
-        out.sub_blocks[stage] = form(out.sub_blocks[stage], stage=stage, policy=policies, device=device,
+        out.sub_blocks[stage] = form(out.sub_blocks[stage], stage=stage, policy=policies, device=where[stage],
                                      preset=preset)
     return out
