@@ -22,6 +22,7 @@ execution-device hook, so ``pipe._execution_device`` is the GPU and latents are 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
@@ -151,14 +152,21 @@ def _device_bytes(policy: Any, module: nn.Module) -> int:
 
 
 def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str,
-                  given: dict[str, Any]) -> dict[str, Any]:
-    """Each component's policy (see the module's docstring), every budget inside ``budget``."""
+                  given: dict[str, Any], elsewhere: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Each component's policy (see the module's docstring), every budget inside ``budget``;
+    the components ``elsewhere`` (on another device) keep their own policy (``resident`` by
+    default) and count against no budget here."""
     from .blocks.policy import OffloadPolicy
 
     denoiser = _denoiser(modules)
     policies: dict[str, OffloadPolicy] = {}
     for name, value in given.items():
         policies[name] = OffloadPolicy.parse(value, default=OffloadPolicy(), where=f"component {name!r}")
+    for name in elsewhere:
+        policies.setdefault(name, OffloadPolicy(route="resident"))
+    if denoiser in elsewhere:
+        raise ConfigError(f"the {denoiser} is what the pipeline's device computes: put it on device=, and other "
+                          "components on other devices")
     auto = [n for n, p in policies.items() if p.vram_budget == "auto"]
     if auto and budget is not None:
         raise ConfigError(
@@ -168,7 +176,7 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
         )
     used: list[tuple[str, int, str]] = []  # (component, device bytes, route)
     for name, module in modules.items():
-        if name == denoiser:
+        if name == denoiser or name in elsewhere:
             continue
         if name not in policies:
             size = device_bytes(module)
@@ -200,6 +208,19 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
     return policies
 
 
+def _component_devices(components: dict[str, Any], dev: torch.device) -> tuple[dict[str, Any], dict[str, torch.device]]:
+    """The ``device`` key taken out of each component's policy mapping: (the policies, the devices)."""
+    from .blocks.policy import OffloadPolicy
+
+    policies, where = dict(components), {}
+    for name, value in components.items():
+        if isinstance(value, Mapping) and not isinstance(value, OffloadPolicy) and "device" in value:
+            where[name] = resolve_device(value["device"])
+            rest = {k: v for k, v in value.items() if k != "device"}
+            policies[name] = rest or "resident"
+    return policies, where
+
+
 def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device: str | torch.device = "cuda",
                      preset: str = "auto", **components: Any) -> PipelineOffload:
     """Offloads every component of a classic Diffusers pipeline within one VRAM budget.
@@ -214,6 +235,9 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
         preset: the linear route's preset for the denoiser.
         **components: a policy for any component by name (``text_encoder_2="diffusers"``,
             ``transformer={"route": "linear", "vram_budget": "6GiB"}``); the others get the defaults.
+            A mapping may put a component on another device (``text_encoder_2={"device": "cuda:1"}``,
+            ``resident`` there unless it names a route): it computes there with its own policy, outside
+            ``vram_budget``, its inputs moved to it and its outputs back, once per call.
 
     Returns:
         A :class:`PipelineOffload` (``report()``, ``remove()``, a context manager).
@@ -232,6 +256,8 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
         )
     if not modules:
         raise ConfigError(f"{type(pipe).__name__} has no component with weights to offload")
+    dev = resolve_device(device)
+    components, where = _component_devices(components, dev)
     _check_not_offloaded(modules, components)
     if vram_budget in ("auto", "min"):
         raise ConfigError(
@@ -240,12 +266,12 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
             f"(transformer={{'vram_budget': {vram_budget!r}}})"
         )
     budget = parse_bytes(vram_budget, what="vram_budget")
-    dev = resolve_device(device)
     routes.resolve("linear", preset)
-    policies = plan_policies(modules, budget, preset, components)
+    policies = plan_policies(modules, budget, preset, components,
+                             frozenset(n for n, d in where.items() if d != dev))
     for name, pol in policies.items():
         try:
-            pol.check(dev, modules[name], name)  # through the route that will place it
+            pol.check(where.get(name, dev), modules[name], name)  # through the route that will place it
         except DdoError as exc:
             raise type(exc)(f"component {name!r}: {exc}") from None
     from .execution_device import add_device_hook, remove_device_hook
@@ -254,11 +280,14 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
     try:
         for name, module in modules.items():
             pol = policies[name]
+            own = where.get(name, dev)
             try:
-                handles[name] = offload(module, device=dev, component=name, **pol.offload_kwargs())
+                handles[name] = offload(module, device=own, component=name, **pol.offload_kwargs())
             except DdoError as exc:  # name the component; keep the class (BudgetError, ...)
                 raise type(exc)(f"component {name!r}: {exc}") from exc
-            if pol.spec.device_hook:
+            if own != dev:
+                add_device_hook(module, dev, compute_device=own)  # inputs there, outputs back
+            elif pol.spec.device_hook:
                 add_device_hook(module, dev)
     except BaseException:
         for name, handle in handles.items():

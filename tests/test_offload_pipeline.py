@@ -104,3 +104,46 @@ def test_a_component_another_offloader_keeps_can_be_left_to_it(pipe):
     off = ddo_blocks.offload_pipeline(pipe, device="cpu", transformer="off")
     assert off.handles["transformer"].route == "off"
     off.remove()
+
+
+def test_a_component_can_name_its_own_device(pipe):
+    ref = _image(pipe)
+    with ddo_blocks.offload_pipeline(pipe, device="cpu", vram_budget="1GiB",
+                                     text_encoder_2={"device": "cpu"}) as off:
+        assert off.policies["text_encoder_2"].route == "resident"
+        assert torch.equal(_image(pipe), ref)
+    with pytest.raises(ddo_blocks.CudaNotAvailableError, match="cuda:1"):
+        ddo_blocks.offload_pipeline(pipe, device="cpu", text_encoder_2={"device": "cuda:1"})
+    assert torch.equal(_image(pipe), ref)  # refused before anything moved
+
+
+def test_the_device_hook_moves_a_call_to_the_component_s_device_and_back():
+    from ddo_blocks.execution_device import ExecutionDeviceHook
+
+    hook = ExecutionDeviceHook(torch.device("cpu"), torch.device("meta"))
+    lin = torch.nn.Linear(2, 2)
+    args, kwargs = hook.pre_forward(lin, torch.ones(2), scale=torch.ones(1))
+    assert args[0].device.type == "meta" and kwargs["scale"].device.type == "meta"
+    assert hook._came_from == [torch.device("cpu")]
+    plain = ExecutionDeviceHook(torch.device("cpu"), torch.device("cpu"))  # one device: nothing moves
+    x = torch.ones(2)
+    assert plain.pre_forward(lin, x)[0][0] is x and plain.post_forward(lin, x) is x
+
+
+@pytest.mark.gpu
+def test_a_text_encoder_on_a_second_gpu_gives_the_one_gpu_image(flux_dir):
+    from diffusers import FluxPipeline
+
+    from ddo_blocks.tiny_pipeline import load_components
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (the nvidia-h200-x2 machine)")
+    pipe = FluxPipeline(**load_components(flux_dir))
+    with ddo_blocks.offload_pipeline(pipe, device="cuda:0", vram_budget="1GiB"):
+        ref = _image(pipe).cpu()
+    pipe = FluxPipeline(**load_components(flux_dir))
+    with ddo_blocks.offload_pipeline(pipe, device="cuda:0", vram_budget="1GiB",
+                                     text_encoder_2={"device": "cuda:1"}) as off:
+        assert off.handles["text_encoder_2"].device == torch.device("cuda", 1)
+        assert pipe._execution_device == torch.device("cuda", 0)
+        assert torch.equal(_image(pipe).cpu(), ref)
