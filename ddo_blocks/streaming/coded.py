@@ -44,7 +44,7 @@ bf16 on normal weights). ``tiered``: the two-tier code, about 11 bits per value 
 
 TIERED_ESTIMATE = (0.28, 0.003)
 """The two-tier code's tier-2 and escape fractions on normal weights (measured by ddo-core's
-``tiered_ratio`` example: 0.27-0.28 and 0.003): the link-bytes estimate before the weights are read."""
+``tiered_speed`` measurement: 0.27-0.28 and 0.003): the link-bytes estimate before the weights are read."""
 
 TIERED_ALLOWANCE = 2
 """A landing buffer holds a two-tier chunk with one value in this many in tier 2 (plus the escape

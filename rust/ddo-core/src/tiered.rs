@@ -701,4 +701,55 @@ mod tests {
         assert!(!worth_coding(0, Counts::default(), usize::MAX));
         assert!(!worth_coding(1 << 20, Counts::default(), 1 << 10));
     }
+
+    /// The two-tier and fixed-rate codes' sizes on normal weights, and one thread's speeds: a
+    /// measurement, not a check (`cargo test --release -p ddo-core tiered_speed -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn tiered_speed() {
+        use crate::codec;
+        use std::time::Instant;
+
+        let n = codec::CHUNK_ELEMS;
+        for sigma in [0.02f32, 1.0] {
+            let v = normal(n, sigma, 1);
+            let t = Instant::now();
+            let subs = super::count_subs(&v);
+            let count_s = t.elapsed().as_secs_f64();
+            let total = subs.iter().fold(Counts::default(), |a, &b| a + b);
+            let lay = super::tiered_layout(n, total);
+            let mut out = vec![0u8; lay.nbytes];
+            let t = Instant::now();
+            super::encode_chunk(&v, &subs, &mut out).unwrap();
+            let enc_s = t.elapsed().as_secs_f64();
+            let mut back = vec![0u16; n];
+            let t = Instant::now();
+            super::decode_chunk(&out, total, &mut back).unwrap();
+            let dec_s = t.elapsed().as_secs_f64();
+            assert_eq!(back, v);
+            let t = Instant::now();
+            let n_esc = codec::count_escapes(&v);
+            let fixed_count_s = t.elapsed().as_secs_f64();
+            let fixed = codec::chunk_layout(n, n_esc).nbytes;
+            let mut fixed_out = vec![0u8; fixed];
+            let t = Instant::now();
+            codec::encode_chunk(&v, n_esc, &mut fixed_out).unwrap();
+            let fixed_enc_s = t.elapsed().as_secs_f64();
+            let gb = (2 * n) as f64 / 1e9;
+            println!(
+                "normal(0, {sigma}), {n} values: tiered {:.4} of bf16 ({} tier-2 groups, {} escapes), fixed {:.4}; \
+                 one thread: count {:.2} GB/s, encode {:.2} GB/s, decode {:.2} GB/s of bf16 \
+                 (fixed: count {:.2} GB/s, encode {:.2} GB/s)",
+                lay.nbytes as f64 / (2 * n) as f64,
+                total.groups,
+                total.escapes,
+                fixed as f64 / (2 * n) as f64,
+                gb / count_s,
+                gb / enc_s,
+                gb / dec_s,
+                gb / fixed_count_s,
+                gb / fixed_enc_s
+            );
+        }
+    }
 }
