@@ -20,15 +20,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DECODE_KERNEL = "ddo_decode12"
-"""The codec's decode kernel: its own lane, apart from the model's compute."""
+DECODE_KERNELS = ("ddo_decode12", "ddo_decode_tiered")
+"""The codecs' decode kernels (fixed-rate, two-tier): their own lane, apart from the model's compute."""
 
 
 def _intervals(events: list[dict[str, Any]], cats: tuple[str, ...], decode: bool | None = None) -> list[tuple[float, float]]:
     """Intervals of the events of ``cats``; ``decode``: only the decode kernel (True), all but it (False)."""
     out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
            if e.get("ph") == "X" and e.get("cat") in cats
-           and (decode is None or (e.get("name") == DECODE_KERNEL) == decode)]
+           and (decode is None or (e.get("name") in DECODE_KERNELS) == decode)]
     return sorted(out)
 
 

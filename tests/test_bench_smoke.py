@@ -207,6 +207,20 @@ def test_profile_analysis_splits_idle_time():
     assert row["idle_both_s"] == pytest.approx(10e-6, abs=1e-12)
 
 
+@pytest.mark.parametrize("kernel", ["ddo_decode12", "ddo_decode_tiered"])
+def test_profile_puts_either_decode_kernel_in_its_own_lane(kernel):
+    from benchmarks.profile import analyse
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 10, "name": "gemm"},
+        {"ph": "X", "cat": "kernel", "ts": 10, "dur": 5, "name": kernel},
+        {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 20},
+    ]}
+    (row,) = analyse(trace, [(0.0, 20.0)])
+    assert row["compute_busy_s"] == pytest.approx(10e-6, abs=1e-12)
+    assert row["decode_busy_s"] == pytest.approx(5e-6, abs=1e-12)
+
+
 def test_read_pipeline_benchmark_runs_on_the_cpu(tmp_path):
     out = tmp_path / "readpipe"
     subprocess.run([sys.executable, "-m", "benchmarks.readpipe", "--dir", str(tmp_path / "scratch"), "--file-gib",
