@@ -4,7 +4,7 @@
       ├─ UnitPlan  (plan.py)       units, resident set and slot count from the Rust planner
       ├─ Scheduler (scheduler.py)  hooks, entry points, learned order, in-flight queue, calls, lock
       ├─ UnitStore (stores.py)     host side: HostSlabs (linear) | FileStore + RAM cache (nvme)
-      │                             | CodedSlabs (coded.py: linear with codec="fixed")
+      │                             | CodedSlabs (coded.py: linear with codec="fixed" or "tiered")
       └─ TorchSlots (slots.py)     device side: K slots allocated through PyTorch, views built once
 
 Copies run on a side stream ordered by events (``_native.Transport``), never a device-wide
