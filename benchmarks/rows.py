@@ -40,6 +40,7 @@ PRIORITY = (
     "ours:low_ram_safe",
     "ddo:low_ram_safe",
     "ours:warm_process",
+    "ours:vmm_fast",
 )
 """The order row families run in, most important first (the time limit skips from the end); a family
 not named here runs after these, in the order asked."""

@@ -365,9 +365,15 @@ def plan_model(a: argparse.Namespace) -> ModelPlan:
 
 
 def known_skips(specs: list[dict[str, Any]], cuda: bool, versions: dict[str, Any]) -> dict[str, str]:
-    """The rows that cannot run here, and why: DDO rc2 needs CUDA and its package."""
+    """The rows that cannot run here, and why: DDO rc2 needs CUDA and its package; our routes that
+    need CUDA (``RouteSpec.needs_cuda``: vmm) need it too."""
+    from ddo_blocks import routes
+
     skips: dict[str, str] = {}
     for s in specs:
+        own = s.get("ddo_blocks_route")
+        if own is not None and routes.get(own).needs_cuda and not cuda:
+            skips[s["id"]] = f"route {own!r} needs a CUDA device: skipped on the CPU"
         if s["route"] != "ddo":
             continue
         if not cuda:

@@ -38,6 +38,7 @@ from .loading import from_pretrained
 from .pipeline import PipelineOffload, offload_pipeline
 from .report import Report
 from .share import replica, share_weights
+from .streaming.arena import Arena
 from .streaming.slabs import release_warm_slabs, warm_bytes
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())  # silent unless the application configures logging
@@ -53,6 +54,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
+    "Arena",
     "BudgetError",
     "CheckpointError",
     "ConfigError",

@@ -296,7 +296,7 @@ def offload(
         _materialize(module, loader)  # other routes start from an ordinary CPU module
         loader = None
     route_options = dict(options)  # the factory takes its own out of the dict it gets
-    chosen, engine = spec.factory(EngineRequest(module, preset, budget, dev, options, loader))
+    chosen, engine = spec.factory(EngineRequest(module, preset, budget, dev, options, loader, component=component or ""))
     engine.attach()
     handle = OffloadHandle(module, engine, route=spec.name, preset=chosen, requested=preset, component=component,
                            vram_budget=budget, device=dev)

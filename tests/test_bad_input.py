@@ -145,11 +145,11 @@ def test_offload_result_repr_is_one_line(flux):
 
 
 @pytest.mark.parametrize("route, preset, match", [
-    ("linear", "vmm_fast", "'vmm_fast' belongs to the CUDA VMM route .* not rebuilt yet"),
-    ("vmm", "auto", "route 'vmm' .* is not rebuilt yet in ddo_blocks; valid routes: linear"),
+    ("linear", "vmm_fast", "'vmm_fast' is a preset of route 'vmm'"),
+    ("vmm", "auto", "route='vmm' needs a VRAM budget"),
     ("linear", "nvme_baseline", "'nvme_baseline' is a preset of route 'nvme'"),
 ])
-def test_routes_not_built_yet_say_so(flux, route, preset, match):
+def test_presets_of_other_routes_and_missing_budgets_say_so(flux, route, preset, match):
     with pytest.raises(ConfigError, match=match):
         ddo_blocks.offload(flux, route=route, preset=preset, device="cpu")
 

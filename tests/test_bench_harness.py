@@ -82,9 +82,10 @@ def test_the_default_rows_are_the_registry_s_streaming_presets_and_the_peers():
     linear = routes.get("linear")
     ours = [f"ours:{p.name}" for p in linear.presets if p.host is not HostMode.CALLER and p.name != "wsl_compat"]
     assert ours == ["ours:one_shot_fast", "ours:warm_process", "ours:low_ram_safe"]
-    assert set(rows.expand_routes("ours")) == set(rows.expand_routes("linear")) == set(ours)
+    assert set(rows.expand_routes("linear")) == set(ours)
+    assert set(rows.expand_routes("ours")) == {*ours, "ours:vmm_fast"}  # every streaming route's presets
     # every default family runs, in the priority order (the time limit skips from the end)
-    assert rows.expand_routes("all") == list(rows.PRIORITY) and set(rows.PRIORITY) == {*ours, *PEERS}
+    assert rows.expand_routes("all") == list(rows.PRIORITY) and set(rows.PRIORITY) == {*ours, "ours:vmm_fast", *PEERS}
 
 
 def test_a_preset_added_to_the_registry_becomes_a_row(monkeypatch):
@@ -114,7 +115,7 @@ def test_our_specs_name_the_registry_route_and_its_keep_warm():
     budgets = [("2GiB", 2 * GIB)]
     specs = rows.make_specs(rows.expand_routes("ours,resident,ddo"), budgets, [("4GiB", 4 * GIB)])
     ours = {s["preset"]: s for s in specs if s["route"] == "ours"}
-    assert {s["ddo_blocks_route"] for s in ours.values()} == {"linear"}
+    assert {s["ddo_blocks_route"] for s in ours.values()} == {"linear", "vmm"}
     assert {p for p, s in ours.items() if s["keep_warm"]} == {"warm_process"}
     ddo = [s for s in specs if s["route"] == "ddo"]
     assert [s["id"] for s in ddo] == ["ddo-one_shot_fast-2GiB", "ddo-low_ram_safe-4GiB"]

@@ -214,7 +214,7 @@ def test_policy_forms_are_equivalent():
         ({"denoise": {"vram_budget": "six gigs"}}, "vram_budget='six gigs' is not a size"),
         ({"vae_encoder": "linear", "decode": "resident"},
          "component 'vae' is used by stages 'decode' \\(resident\\) and 'vae_encoder' \\(linear\\)"),
-        ({"preset": "vmm_fast"}, "unknown pipeline preset 'vmm_fast'"),
+        ({"preset": "vmm_fast"}, "unknown pipeline preset 'vmm_fast'.*shares one Arena"),
     ],
 )
 def test_wrap_errors_name_what_would_work(kwargs, match):

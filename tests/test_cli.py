@@ -78,7 +78,7 @@ def test_budget_min_and_auto_are_for_the_routes_that_stream(budget):
 
     ns, blocks = _stage_args("off", "text_encoder", route="resident", budget=budget)
     with pytest.raises(ddo_blocks.ConfigError, match=f"budget {budget} applies to the routes that stream "
-                                                      "\\(linear, nvme, sdnq\\); route 'resident' was asked"):
+                                                      "\\(linear, nvme, sdnq, vmm\\); route 'resident' was asked"):
         stage_policies(ns, {}, blocks)
 
 

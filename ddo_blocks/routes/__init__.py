@@ -14,15 +14,13 @@ from typing import Any
 from ..errors import ConfigError
 from .spec import EngineRequest, HostMode, Preset, RouteSpec
 
-_MODULES = ("linear", "resident", "diffusers", "nvme", "sdnq")
+_MODULES = ("linear", "resident", "diffusers", "nvme", "sdnq", "vmm")
 """The route files, in the order of the preset table."""
 
-NOT_BUILT = {
-    "vmm": "the CUDA VMM route (preset vmm_fast)",
-}
+NOT_BUILT: dict[str, str] = {}
 """Routes of the original DDO not rebuilt yet: asking for one says so."""
 
-NOT_BUILT_PRESETS = {"vmm_fast": "vmm"}
+NOT_BUILT_PRESETS: dict[str, str] = {}
 """Presets of the routes not rebuilt yet, and their route."""
 
 REGISTRY: dict[str, RouteSpec] = {}

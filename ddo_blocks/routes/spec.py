@@ -135,6 +135,8 @@ class EngineRequest:
     """What an earlier plan of this module measured (``streaming.plan.Measured``: compute per unit,
     and with a codec the units to code), which a streaming engine plans with instead of its prior
     (``OffloadHandle.replan``)."""
+    component: str = ""
+    """The component's name (``offload(component=...)``), for what the engine reports."""
 
 
 EngineFactory = Callable[[EngineRequest], "tuple[Preset, Engine]"]
@@ -163,6 +165,8 @@ class RouteSpec:
             accelerate already offloads is refused.
         holds_all: every weight stays on the device while attached (``resident``): what a
             pipeline-wide budget must count for it.
+        needs_cuda: the route has no CPU path (``vmm``): on the CPU it refuses with
+            ``CudaNotAvailableError`` and the benchmarks skip its rows.
         check: validates a module, preset, budget, device and options before anything moves (blocks
             call it for every stage before the first runs; ``offload`` before the factory).
         claims / claims_auto_of: ``preset="auto"`` on route ``claims_auto_of`` picks this route for a
@@ -183,6 +187,7 @@ class RouteSpec:
     releasable: bool = False
     places_weights: bool = True
     holds_all: bool = False
+    needs_cuda: bool = False
     check: Callable[..., None] | None = None
     claims: Callable[[nn.Module], bool] | None = None
     claims_auto_of: str | None = None

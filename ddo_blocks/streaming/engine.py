@@ -54,6 +54,8 @@ class StreamingEngine:
         extra_sections: the route's own report fields (the sdnq route: its packed layers).
         measured: what an earlier plan of this module measured (``plan.Measured``,
             ``OffloadHandle.replan``): plan that granularity with those compute times (and link bytes).
+        slots: builds the device side for this engine (default ``TorchSlots``; the vmm route's
+            ``arena.ArenaSlots``, which also places the resident units).
     """
 
     owns_placement = True
@@ -64,7 +66,7 @@ class StreamingEngine:
                  reserve_bytes: int = 0, link_bytes: plan.LinkBytes | None = None,
                  compute_bytes: plan.ComputeBytes | None = None,
                  extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None,
-                 measured: plan.Measured | None = None):
+                 measured: plan.Measured | None = None, slots: Callable[[StreamingEngine], Any] | None = None):
         self.module = module
         self.preset = preset
         self.budget = budget
@@ -90,7 +92,7 @@ class StreamingEngine:
                         if buf is not None]
         self.orig_device: dict[int, torch.device] = {}
         self._orig_buffers: list[tuple[nn.Module, str, torch.device]] = []
-        self.slots = TorchSlots(device)
+        self.slots = slots(self) if slots is not None else TorchSlots(device)
         self.scheduler = Scheduler(module, device, self.streamed, self.resident_units, self)
         self.store = store(self)
         self._extra_sections = extra_sections
@@ -131,6 +133,8 @@ class StreamingEngine:
             tp = time.perf_counter()
             if self.streamed:
                 self.store.build()
+            if self.slots.places_resident:
+                self.slots.place_resident(self.resident_units, self.loader)
             self.pack_s = time.perf_counter() - tp
             if self.streamed:
                 n_slots = max(1, min(self.plan.slots, len(self.streamed)))
@@ -157,7 +161,9 @@ class StreamingEngine:
             self._orig_buffers.append((owner, name, buf.device))
             if buf.device != dev:
                 owner._buffers[name] = buf.to(dev)
-        params = [p for _, p in self.unit_plan.leftovers] + [p for u in self.resident_units for _, p in u.params]
+        params = [p for _, p in self.unit_plan.leftovers]
+        if not self.slots.places_resident:
+            params += [p for u in self.resident_units for _, p in u.params]
         pinned = self.preset.host is HostMode.PINNED_SLABS
         if self.loader is not None:
             pending = [p for p in params if self.loader.pending(p)]
@@ -268,11 +274,13 @@ class StreamingEngine:
 
     def call_started(self) -> None:
         self.store.call_started(self.transport)
+        self.slots.call_started()
         if self.on_call_start is not None:
             self.on_call_start()
 
     def call_finished(self) -> None:
         self.store.call_finished(self.transport)
+        self.slots.call_finished()
 
     def entry_call_done(self) -> None:
         if self.after_entry_call is not None:

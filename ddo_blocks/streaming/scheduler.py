@@ -144,6 +144,7 @@ class Scheduler:
         self._calls_started = 0
         self.calibration: Calibration | None = None
         self._calibrating = False
+        self._suspended = False
 
     # ---------------------------------------------------------------------------------------------
     # installing and removing
@@ -212,8 +213,19 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------------
     # the in-flight queue
     # ---------------------------------------------------------------------------------------------
+    def suspend(self) -> None:
+        """Forgets the prefetched units (their slots are about to lose their memory, between calls);
+        nothing is fetched until :meth:`resume`, and the next call starts from the first unit."""
+        self._drop_inflight()
+        self._next = 0
+        self._suspended = True
+
+    def resume(self) -> None:
+        self._suspended = False
+        self.topup()
+
     def topup(self) -> None:
-        if not self.sched:
+        if not self.sched or self._suspended:
             return
         while self._free:
             u = self.sched[self._next]

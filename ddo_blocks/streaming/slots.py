@@ -2,7 +2,9 @@
 once through PyTorch (so its allocator and memory statistics stay right), with every (unit, slot)
 tensor view built once. Binding a unit to a slot points its parameters at those views.
 
-A slot pool is what a VMM arena will replace: same ``build`` / ``address`` / ``bind`` / ``close``.
+A slot pool is a part of the engine: :class:`TorchSlots` here, ``ArenaSlots`` (``arena.py``) on the
+vmm route, where the slots and the resident units live in the arena (same ``build`` / ``address`` /
+``bind`` / ``close``, plus the resident placement and the per-call hooks).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from ..units import Unit, strided_view
 
 class TorchSlots:
     """K slots in one PyTorch allocation on ``device``."""
+
+    places_resident = False
+    """Whether the pool places the resident units itself (the arena); else the engine does, through PyTorch."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -29,7 +34,7 @@ class TorchSlots:
         geometry per streamed unit, as the unit store lays the unit out)."""
         self.n_slots = n_slots
         self.slot_bytes = max(unit_nbytes)
-        self.storage = torch.empty(n_slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.storage = self._allocate(n_slots * self.slot_bytes)
         self.views = []
         for u in range(len(unit_nbytes)):
             per_slot = []
@@ -37,6 +42,15 @@ class TorchSlots:
                 base = self.storage[s * self.slot_bytes : (s + 1) * self.slot_bytes]
                 per_slot.append([strided_view(base, off, g) for g, off in zip(geometry[u], offsets[u])])
             self.views.append(per_slot)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def call_started(self) -> None:
+        pass
+
+    def call_finished(self) -> None:
+        pass
 
     def address(self, slot: int) -> int:
         assert self.storage is not None

@@ -169,7 +169,7 @@ impl Drop for ContextGuard {
 }
 
 /// The driver's handle of device `ordinal`, or an error naming how many devices there are.
-fn device(ordinal: usize) -> Result<sys::CUdevice> {
+pub(crate) fn device(ordinal: usize) -> Result<sys::CUdevice> {
     let count = device_count()?;
     if ordinal >= count {
         return Err(CudaError::InvalidArgument(format!(

@@ -24,6 +24,7 @@ mod reader;
 mod readpool;
 mod stager;
 pub mod tiered;
+mod vmm;
 mod transport;
 
 pub use deferred::{take_deferred_error, ErrorSlot};
@@ -39,3 +40,4 @@ pub use host::{
 pub use job::{Staging, Target, MAX_STAGING_BUFFERS, MAX_THREADS};
 pub use reader::{measure_read_bandwidth, DiskProbe};
 pub use transport::{Transport, TransportStats};
+pub use vmm::{VmmArena, VmmStats};

@@ -8,6 +8,7 @@ mod index;
 mod kernel;
 mod planning;
 mod transport;
+mod vmm;
 
 use pyo3::prelude::*;
 
@@ -20,5 +21,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     transport::register(m)?;
     kernel::register(m)?;
     codec::register(m)?;
+    vmm::register(m)?;
     Ok(())
 }

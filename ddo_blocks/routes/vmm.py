@@ -1,0 +1,102 @@
+"""The VMM route: components share one VRAM budget through a CUDA virtual-memory arena
+(``streaming.arena``). Each component streams as on the linear route (the same scheduler, pinned host
+slabs and transport) with slots and resident units inside the arena at addresses that never change;
+while a component runs it may take the chunks the others keep resident (theirs come back, at the
+same addresses, on their next call), so every phase of a pipeline plans with the whole budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..budget import fmt_bytes
+from ..errors import BudgetError, ConfigError
+from .spec import Engine, EngineRequest, HostMode, Preset, RouteSpec, refuse_unknown
+
+PRESETS = (
+    Preset(
+        "vmm",
+        "vmm_fast",
+        "weights in a CUDA virtual-memory arena shared by the components given the same Arena (one "
+        "vram_budget for all): each call may use the chunks the others keep resident, which return at the "
+        "same addresses on their next call; streaming as one_shot_fast (pinned slabs: host RAM ~1.0x weights)",
+        HostMode.PINNED_SLABS,
+    ),
+)
+
+
+def _arena(req: EngineRequest) -> Any:
+    from ..streaming.arena import Arena
+
+    arena = req.options.pop("arena", None)
+    if arena is not None and not isinstance(arena, Arena):
+        raise ConfigError(f"route='vmm': arena= takes a ddo_blocks.Arena, got {type(arena).__name__}")
+    if arena is not None:
+        if req.budget is not None and req.budget != arena.budget:
+            raise ConfigError(
+                f"route='vmm' with an Arena uses the arena's vram_budget ({fmt_bytes(arena.budget)}) for all its "
+                f"components; leave vram_budget unset for this component (it was {fmt_bytes(req.budget)})"
+            )
+        return arena
+    if req.budget is None:
+        raise ConfigError(
+            "route='vmm' needs a VRAM budget: pass vram_budget= (bytes or a size such as '16GiB'), or an "
+            "arena=ddo_blocks.Arena(...) shared with the other components; without a budget use route='resident'"
+        )
+    arena = Arena(req.budget, req.device)
+    arena.private = True
+    return arena
+
+
+def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
+          **_: Any) -> None:
+    """Refuses the CPU (without a test arena) before anything moves."""
+    if getattr(device, "type", "cuda") != "cuda" and (options or {}).get("arena") is None:
+        from ..errors import CudaNotAvailableError
+
+        raise CudaNotAvailableError(
+            f"route='vmm' maps weights into CUDA virtual memory and needs a CUDA device, got {device}; use "
+            "route='linear' on the CPU"
+        )
+
+
+def factory(req: EngineRequest) -> tuple[Preset, Engine]:
+    from ..streaming import StreamingEngine, plan, stores
+    from ..streaming.arena import ArenaSlots
+    from ..units import split_units
+
+    units = plan.check_granularity(req.options.pop("units", "auto"))
+    arena = _arena(req)
+    refuse_unknown("vmm", req.options, ("arena", "units"))
+    chosen = SPEC.presets[0] if req.preset == "auto" else SPEC.preset_map[req.preset]
+    if req.device != arena.device:
+        raise ConfigError(f"the Arena is on {arena.device}; this component was asked on {req.device}: give it the "
+                          "arena's device")
+    found, leftovers = split_units(req.module, "child" if units == "child" else "block")
+    fixed = plan.buffer_bytes(req.module) + sum(p.numel() * p.element_size() for _, p in leftovers)
+    budget = arena.plan_budget()
+    if budget <= fixed:
+        raise BudgetError(
+            f"the arena's vram_budget={fmt_bytes(arena.budget)} leaves nothing for {type(req.module).__name__} after "
+            f"the {fmt_bytes(arena.fixed_bytes)} its other members keep outside the arena; give the Arena a larger "
+            "vram_budget"
+        )
+    name = req.component or type(req.module).__name__
+    return chosen, StreamingEngine(req.module, chosen, budget, req.device, measured=req.measured,
+                                   store=stores.HostSlabs, loader=req.loader, units=units,
+                                   reserve_bytes=arena.reserve_bytes(sum(len(u.params) for u in found) + len(found)),
+                                   slots=lambda engine: ArenaSlots(engine, arena, name),
+                                   extra_sections=lambda: {"arena": arena.report_section()})
+
+
+SPEC = RouteSpec(
+    name="vmm",
+    summary="one VRAM budget for several components through a CUDA virtual-memory arena (pages move between phases)",
+    presets=PRESETS,
+    factory=factory,
+    options=("arena", "units"),
+    streams=True,
+    device_hook=True,
+    needs_cuda=True,
+    check=check,
+)
+SPECS = (SPEC,)

@@ -1,0 +1,584 @@
+"""The VMM arena: one VRAM budget for the weights of several components on one device, every weight at
+an address that never changes, and resident weights that survive phases and calls.
+
+    Arena                   the budget, the chunk pool (``_native.VmmArena``), its members, eviction
+      └─ Member (one per component on the vmm route)
+           ├─ home range    its resident units, laid out in priority order, bound once
+           ├─ slot range    its K streaming slots (as the linear route's, inside the arena)
+           └─ host copies   a pinned slab of each resident unit, to restore what was evicted
+
+A component's plan (which units stay resident, how many slots) is the linear route's plan for the
+whole arena budget less what the other members keep outside the arena (their buffers and the few
+weights that belong to no unit). While a component runs, all of its home and slot chunks are mapped;
+when another needs room, it takes chunks from the members it finds least recently called: first
+their slots (nothing to copy back), then their home ranges from the tail (the lowest priority first:
+within a component the order is static, because LRU is the worst policy for a cyclic pass). Each
+unmap waits for that member's last-use event and its copy stream, never for the whole device.
+Eviction happens only at a call's start, so inside a step the route streams as the linear route does.
+
+An evicted unit's parameters point at its host copy (a CPU tensor: a stray use fails with a device
+error instead of reading unmapped memory); its next call maps the chunks again at the same
+addresses, copies the evicted units back and points the parameters at the same views.
+
+With ``device="cpu"`` (tests only: ``Arena(..., _backend=HostChunks(...))``) ranges are ordinary
+memory and unmapped chunks are overwritten, so a unit used without its restore gives wrong values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+from .. import _native
+from ..budget import fmt_bytes, parse_bytes
+from ..errors import BudgetError, ConfigError, CudaNotAvailableError, OffloadMemoryError
+from ..units import Unit, geometry, span_nbytes, strided_view
+from .slots import TorchSlots
+
+CHUNK_BYTES = 32 << 20
+"""A physical chunk: 2 MiB pages cost 58 ms per GiB to map on an H200, 32 MiB pages 4.2 ms."""
+
+HOME_ALIGN = 256
+"""Each resident unit starts at this alignment in its home range (a unit's tensors are 256-aligned in it)."""
+
+_clock = itertools.count(1)
+
+
+class _Span:
+    """``__cuda_array_interface__`` of a byte range: what ``torch.as_tensor`` builds a tensor over."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class CudaChunks:
+    """Chunks of device memory behind reserved ranges (``_native.VmmArena``)."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int, max_bytes: int):
+        self.device = device
+        self.native = _native.VmmArena(device.index or 0, chunk_bytes, max_bytes)
+        self.chunk_bytes = self.native.chunk_bytes
+        self._size: dict[int, int] = {}
+
+    def reserve(self, nbytes: int) -> int:
+        n = -(-max(nbytes, 1) // self.chunk_bytes)
+        base = self.native.reserve(n * self.chunk_bytes)
+        self._size[base] = n * self.chunk_bytes
+        return base
+
+    def tensor(self, base: int) -> torch.Tensor:
+        """A uint8 tensor over the whole range (its first chunk mapped: torch asks the driver where it lives)."""
+        return torch.as_tensor(_Span(base, self._size[base]), device=self.device)
+
+    def map(self, base: int, first: int, count: int) -> int:
+        return self.native.map(base, first, count)
+
+    def unmap(self, base: int, first: int, count: int) -> int:
+        return self.native.unmap(base, first, count)
+
+    def free_range(self, base: int) -> None:
+        self._size.pop(base, None)
+        self.native.free_range(base)
+
+    def set_max_bytes(self, max_bytes: int) -> None:
+        self.native.set_max_bytes(max_bytes)
+
+    def stats(self) -> dict[str, int]:
+        chunk, created, mapped, max_chunks, creations, maps = self.native.stats()
+        return dict(chunk_bytes=chunk, created=created, mapped=mapped, max_chunks=max_chunks, creations=creations,
+                    maps=maps)
+
+    def close(self) -> None:
+        self.native.close()
+
+
+class HostChunks:
+    """The same calls over host memory, for the CPU tests: a range is one CPU tensor, mapping counts
+    chunks against the cap, unmapping overwrites the chunk (0xFF: NaN in every float format)."""
+
+    def __init__(self, chunk_bytes: int, max_bytes: int):
+        self.device = torch.device("cpu")
+        self.chunk_bytes = chunk_bytes
+        self.max_chunks = max_bytes // chunk_bytes
+        self._ranges: dict[int, tuple[torch.Tensor, list[bool]]] = {}
+        self.creations = 0
+        self.maps = 0
+        self._created = 0
+
+    def reserve(self, nbytes: int) -> int:
+        n = -(-max(nbytes, 1) // self.chunk_bytes)
+        t = torch.full((n * self.chunk_bytes,), 0xFF, dtype=torch.uint8)
+        self._ranges[t.data_ptr()] = (t, [False] * n)
+        return t.data_ptr()
+
+    def tensor(self, base: int) -> torch.Tensor:
+        return self._ranges[base][0]
+
+    def _mapped_total(self) -> int:
+        return sum(sum(m) for _, m in self._ranges.values())
+
+    def map(self, base: int, first: int, count: int) -> int:
+        t, mapped = self._ranges[base]
+        done = 0
+        for i in range(first, first + count):
+            if mapped[i]:
+                continue
+            if self._mapped_total() >= self.max_chunks:
+                raise OffloadMemoryError(f"the arena's cap of {self.max_chunks} chunks is reached")
+            mapped[i] = True
+            self.maps += 1
+            if self._mapped_total() > self._created:
+                self._created += 1
+                self.creations += 1
+            done += 1
+        return done
+
+    def unmap(self, base: int, first: int, count: int) -> int:
+        t, mapped = self._ranges[base]
+        done = 0
+        for i in range(first, first + count):
+            if mapped[i]:
+                mapped[i] = False
+                t[i * self.chunk_bytes:(i + 1) * self.chunk_bytes].fill_(0xFF)
+                done += 1
+        return done
+
+    def free_range(self, base: int) -> None:
+        self._ranges.pop(base, None)
+
+    def set_max_bytes(self, max_bytes: int) -> None:
+        self.max_chunks = max_bytes // self.chunk_bytes
+
+    def stats(self) -> dict[str, int]:
+        mapped = self._mapped_total()
+        return dict(chunk_bytes=self.chunk_bytes, created=max(mapped, self._created), mapped=mapped,
+                    max_chunks=self.max_chunks, creations=self.creations, maps=self.maps)
+
+    def close(self) -> None:
+        self._ranges.clear()
+
+
+class Arena:
+    """One VRAM budget for the weights of every component placed on it (``route="vmm"``).
+
+    Args:
+        vram_budget: bytes (or ``"16GiB"``) for all the members' weights on the device together: the
+            chunks mapped for their resident units and slots, plus what each keeps outside the arena
+            (buffers, weights in no unit). Activations come on top, as on every route.
+        device: ``cuda`` or ``cuda:N``.
+        chunk_bytes: physical chunk size (rounded up to the device's granularity).
+
+    Pass it to ``offload(module, route="vmm", arena=arena)`` for each component, or let
+    ``offload_pipeline(pipe, preset="vmm_fast", vram_budget=...)`` make one for a whole pipeline.
+    ``report()`` gives the arena's figures; ``close()`` after every member was removed.
+    """
+
+    def __init__(self, vram_budget: int | str, device: str | torch.device = "cuda", *,
+                 chunk_bytes: int = CHUNK_BYTES, _backend: Any = None):
+        from ..api import resolve_device
+
+        budget = parse_bytes(vram_budget, what="vram_budget")
+        if budget is None or budget <= 0:
+            raise ConfigError(f"an Arena needs a positive vram_budget (bytes or a size such as '16GiB'), got "
+                              f"{vram_budget!r}")
+        self.device = resolve_device(device) if _backend is None else _backend.device
+        if self.device.type != "cuda" and _backend is None:
+            raise CudaNotAvailableError(
+                f"route='vmm' maps weights into CUDA virtual memory and needs a CUDA device, got {self.device}; "
+                "use route='linear' on the CPU"
+            )
+        self.budget = budget
+        self.lock = threading.RLock()
+        self.members: list[Member] = []
+        if _backend is None:
+            _backend = CudaChunks(self.device, chunk_bytes, budget)
+        self.backend = _backend
+        self.chunk_bytes = self.backend.chunk_bytes
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.placed_bytes = 0
+        self.restored_bytes = 0
+        self.peak_mapped_chunks = 0
+        self.closed = False
+        self.private = False
+        """Made by ``offload(route="vmm", vram_budget=...)`` for one component: closed when it leaves."""
+
+    # -- budget ------------------------------------------------------------------------------------
+    @property
+    def fixed_bytes(self) -> int:
+        """What the members keep on the device outside the arena (torch-allocated, never evicted)."""
+        return sum(m.fixed_bytes for m in self.members)
+
+    def plan_budget(self) -> int:
+        """The budget a new member plans its weights with (its own fixed bytes included, as every
+        plan counts them): the whole budget less what the other members keep outside the arena."""
+        return self.budget - self.fixed_bytes
+
+    def reserve_bytes(self, n_units: int) -> int:
+        """What a member's plan leaves aside for rounding: its two ranges to whole chunks, its units
+        to ``HOME_ALIGN``."""
+        return 2 * self.chunk_bytes + HOME_ALIGN * n_units
+
+    @property
+    def cap_chunks(self) -> int:
+        return max(0, (self.budget - self.fixed_bytes) // self.chunk_bytes)
+
+    def mapped_chunks(self) -> int:
+        return sum(m.mapped_chunks() for m in self.members)
+
+    def join(self, member: Member) -> None:
+        """Adds a member (at its attach): every member's own working set must still fit beside the
+        others' fixed bytes, or the attach is refused."""
+        with self.lock:
+            if self.closed:
+                raise ConfigError("this Arena was closed; make a new one")
+            if any(m.engine.device != member.engine.device for m in self.members) or \
+                    member.engine.device != self.device:
+                raise ConfigError(f"an Arena lives on one device ({self.device}); the component is on "
+                                  f"{member.engine.device}")
+            self.members.append(member)
+            self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
+            worst = max(self.members, key=lambda m: m.working_chunks())
+            if worst.working_chunks() > self.cap_chunks:
+                fixed = self.fixed_bytes
+                need = worst.working_chunks() * self.chunk_bytes + fixed
+                self.members.remove(member)
+                self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
+                raise BudgetError(
+                    f"the arena's vram_budget={fmt_bytes(self.budget)} cannot hold {worst.name}'s working set "
+                    f"({fmt_bytes(worst.working_chunks() * self.chunk_bytes)} in whole chunks) beside the "
+                    f"{fmt_bytes(fixed)} its members would keep outside the arena with {member.name}; give the Arena a "
+                    f"vram_budget of at least {fmt_bytes(need)}, or put {member.name} on another route"
+                )
+
+    def leave(self, member: Member) -> None:
+        with self.lock:
+            if member in self.members:
+                self.members.remove(member)
+                self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
+            if self.private and not self.members:
+                self.close()
+
+    def make_room(self, member: Member, need: int) -> None:
+        """Unmaps chunks of other members (least recently called first) until ``need`` more chunks fit."""
+        with self.lock:
+            free = self.cap_chunks - self.mapped_chunks()
+            for other in sorted((m for m in self.members if m is not member), key=lambda m: m.last_call):
+                if free >= need:
+                    break
+                got = other.evict(need - free)
+                if got:
+                    self.evictions += 1
+                    self.evicted_bytes += got * self.chunk_bytes
+                free += got
+            if free < need:
+                raise BudgetError(
+                    f"the arena ({fmt_bytes(self.budget)}) has no room for {fmt_bytes(need * self.chunk_bytes)} more "
+                    f"of {type(member.engine.module).__name__}'s chunks; give the Arena a larger vram_budget"
+                )
+
+    def report_section(self) -> dict[str, Any]:
+        """:meth:`report` flat, for a member's report: each member's mapped bytes as its own field."""
+        fig = self.report()
+        members = fig.pop("members")
+        fig.update({f"{name}_mapped_bytes": m["mapped_bytes"] for name, m in members.items()})
+        return fig
+
+    def note_mapped(self) -> None:
+        self.peak_mapped_chunks = max(self.peak_mapped_chunks, self.mapped_chunks())
+
+    def report(self) -> dict[str, Any]:
+        """The arena's figures: budget, chunks, evictions and what they cost, per member."""
+        stats = self.backend.stats()
+        return dict(
+            device=str(self.device),
+            vram_budget=self.budget,
+            chunk_bytes=self.chunk_bytes,
+            fixed_bytes=self.fixed_bytes,
+            cap_bytes=self.cap_chunks * self.chunk_bytes,
+            mapped_bytes=self.mapped_chunks() * self.chunk_bytes,
+            peak_mapped_bytes=self.peak_mapped_chunks * self.chunk_bytes,
+            peak_device_bytes=self.peak_mapped_chunks * self.chunk_bytes + self.fixed_bytes,
+            chunks_created=stats["creations"],
+            chunk_maps=stats["maps"],
+            evictions=self.evictions,
+            evicted_bytes=self.evicted_bytes,
+            placed_bytes=self.placed_bytes,
+            restored_bytes=self.restored_bytes,
+            members={m.name: m.figures() for m in self.members},
+        )
+
+    def close(self) -> None:
+        """Gives the chunk pool back (after every member was removed)."""
+        with self.lock:
+            if self.members:
+                raise ConfigError(f"the Arena still holds {', '.join(m.name for m in self.members)}; remove() "
+                                  "their offloads first")
+            if not self.closed:
+                self.backend.close()
+                self.closed = True
+
+    def __deepcopy__(self, memo: dict) -> Arena:
+        return self  # a policy copied by wrap() still names the same arena
+
+    def __repr__(self) -> str:
+        return (f"Arena({fmt_bytes(self.budget)} on {self.device}, {len(self.members)} member(s), "
+                f"{fmt_bytes(self.mapped_chunks() * self.chunk_bytes)} mapped)")
+
+
+class Member:
+    """One component's part of an arena: its home and slot ranges, what is mapped and loaded."""
+
+    def __init__(self, arena: Arena, engine: Any, name: str):
+        self.arena = arena
+        self.engine = engine
+        self.name = name
+        self.fixed_bytes = 0
+        self.chunk = arena.chunk_bytes
+        self.units: list[Unit] = []
+        self.home_offsets: list[int] = []
+        self.home_nbytes = 0
+        self.home_base: int | None = None
+        self.home: torch.Tensor | None = None
+        self.home_views: list[list[torch.Tensor]] = []
+        self.loaded: list[bool] = []
+        self.home_mapped = 0
+        """Chunks of the home range mapped: always a prefix (the tail is evicted first)."""
+        self.host: Any = None
+        self.slot_nbytes = 0
+        self.slot_base: int | None = None
+        self.slot_tensor: torch.Tensor | None = None
+        self.slots_mapped = False
+        self.last_call = 0
+        self._fence: Any = None
+        self.restores = 0
+        self._placed = False
+
+    # -- sizes -------------------------------------------------------------------------------------
+    def _chunks(self, nbytes: int) -> int:
+        return -(-nbytes // self.chunk) if nbytes else 0
+
+    @property
+    def home_chunks(self) -> int:
+        return self._chunks(self.home_nbytes)
+
+    @property
+    def slot_chunks(self) -> int:
+        return self._chunks(self.slot_nbytes)
+
+    def working_chunks(self) -> int:
+        return self.home_chunks + self.slot_chunks
+
+    def mapped_chunks(self) -> int:
+        return self.home_mapped + (self.slot_chunks if self.slots_mapped else 0)
+
+    # -- attach ------------------------------------------------------------------------------------
+    def lay_out(self, units: list[Unit], slot_nbytes: int) -> None:
+        """Fixes the home layout of the resident units (in priority order) and the slot range size."""
+        self.units = units
+        layouts = [_native.layout_unit([span_nbytes(p) for _, p in u.params]) for u in units]
+        off = 0
+        self.home_offsets = []
+        for layout in layouts:
+            self.home_offsets.append(off)
+            off += -(-layout.nbytes // HOME_ALIGN) * HOME_ALIGN
+        self.home_nbytes = off
+        self._unit_layouts = layouts
+        self.slot_nbytes = slot_nbytes
+
+    def place(self, loader: Any) -> None:
+        """Packs host copies of the resident units, maps the home range and uploads them."""
+        from .slabs import SlabSet
+
+        e = self.engine
+        self.arena.join(self)
+        if self.units:
+            self.host = SlabSet(self.units, pin=e.device.type == "cuda", ordinal=e.device.index or 0, keep_warm=False)
+            self.host.pack(loader)
+            self.home_base = self.arena.backend.reserve(self.home_nbytes)
+            self._map_home()
+            self.home = self.arena.backend.tensor(self.home_base)
+            self.home_views = []
+            for unit, off, layout in zip(self.units, self.home_offsets, self._unit_layouts):
+                region = self.home[off: off + layout.nbytes]
+                self.home_views.append([strided_view(region, o, geometry(p))
+                                        for (_, p), o in zip(unit.params, layout.offsets)])
+            self.loaded = [False] * len(self.units)
+            self._upload_missing()
+        self._placed = True
+
+    def build_slots(self) -> torch.Tensor:
+        """Maps the slot range; returns a uint8 tensor over it (the slot pool's storage)."""
+        self.slot_base = self.arena.backend.reserve(self.slot_nbytes)
+        self._map_slots()
+        self.slot_tensor = self.arena.backend.tensor(self.slot_base)[: self.slot_nbytes]
+        return self.slot_tensor
+
+    def _map_home(self) -> None:
+        missing = self.home_chunks - self.home_mapped
+        if missing <= 0:
+            return
+        self.arena.make_room(self, missing)
+        self.arena.backend.map(self.home_base, self.home_mapped, missing)
+        self.home_mapped = self.home_chunks
+        self.arena.note_mapped()
+
+    def _map_slots(self) -> None:
+        if self.slots_mapped or not self.slot_chunks:
+            return
+        self.arena.make_room(self, self.slot_chunks)
+        self.arena.backend.map(self.slot_base, 0, self.slot_chunks)
+        self.slots_mapped = True
+        self.arena.note_mapped()
+
+    def _upload_missing(self) -> None:
+        e = self.engine
+        todo = [i for i, ok in enumerate(self.loaded) if not ok]
+        if not todo:
+            return
+        stream = e._copy_stream
+        for i in todo:
+            s, off = self.host.placement[i]
+            n = self.host.unit_nbytes[i]
+            src = self.host.slabs[s].base[off: off + n]
+            dst = self.home[self.home_offsets[i]: self.home_offsets[i] + n]
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src)
+            if self._placed:
+                self.arena.restored_bytes += n
+            else:
+                self.arena.placed_bytes += n
+        if stream is not None:
+            torch.cuda.current_stream(e.device).wait_stream(stream)
+        for i in todo:
+            for (_, p), v in zip(self.units[i].params, self.home_views[i]):
+                p.data = v
+            self.loaded[i] = True
+
+    # -- calls -------------------------------------------------------------------------------------
+    def call_started(self) -> None:
+        """Maps what was evicted, copies evicted units back, resumes the slots: the call finds every
+        resident weight at its address."""
+        with self.arena.lock:
+            self.last_call = next(_clock)
+            restored = False
+            if self.home_base is not None and (self.home_mapped < self.home_chunks or not all(self.loaded)):
+                self._map_home()
+                self._upload_missing()
+                restored = True
+            if self.slot_base is not None and not self.slots_mapped:
+                self._map_slots()
+                self.engine.scheduler.resume()
+                restored = True
+            self.restores += restored
+
+    def call_finished(self) -> None:
+        e = self.engine
+        if e.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(e.device))
+            self._fence = ev
+
+    def _wait_idle(self) -> None:
+        """This member's last call and every copy queued for it are done (its own events and stream)."""
+        if self._fence is not None:
+            self._fence.synchronize()
+        stream = self.engine._copy_stream
+        if stream is not None:
+            stream.synchronize()
+
+    def evict(self, want: int) -> int:
+        """Unmaps up to ``want`` chunks (slots first, then the home range's tail); returns how many."""
+        got = 0
+        if want <= 0 or self.mapped_chunks() == 0:
+            return 0
+        self._wait_idle()
+        if self.slots_mapped and self.slot_chunks:
+            self.engine.scheduler.suspend()
+            self.arena.backend.unmap(self.slot_base, 0, self.slot_chunks)
+            self.slots_mapped = False
+            got += self.slot_chunks
+        if got < want and self.home_mapped:
+            keep = max(0, self.home_mapped - (want - got))
+            cut = keep * self.chunk
+            for i, off in enumerate(self.home_offsets):
+                if self.loaded[i] and off + self.host.unit_nbytes[i] > cut:
+                    for (_, p), v in zip(self.units[i].params, self.host.host_views[i]):
+                        p.data = v
+                    self.loaded[i] = False
+            self.arena.backend.unmap(self.home_base, keep, self.home_mapped - keep)
+            got += self.home_mapped - keep
+            self.home_mapped = keep
+        return got
+
+    # -- detach ------------------------------------------------------------------------------------
+    def close(self, orig_device: dict[int, torch.device]) -> None:
+        """Points the resident units back at their own memory, frees both ranges, leaves the arena."""
+        self._wait_idle()
+        if self.host is not None:
+            for i, unit in enumerate(self.units):
+                for (_, p), v in zip(unit.params, self.host.host_views[i]):
+                    p.data = v
+            self.host.release(orig_device, keep_warm=False)
+            self.host = None
+        self.home_views = []
+        self.home = None
+        self.slot_tensor = None
+        for base in (self.home_base, self.slot_base):
+            if base is not None:
+                self.arena.backend.free_range(base)
+        self.home_base = self.slot_base = None
+        self.home_mapped = 0
+        self.slots_mapped = False
+        self.arena.leave(self)
+
+    def figures(self) -> dict[str, Any]:
+        return dict(
+            home_bytes=self.home_nbytes,
+            slot_bytes=self.slot_nbytes,
+            fixed_bytes=self.fixed_bytes,
+            mapped_bytes=self.mapped_chunks() * self.chunk,
+            resident_units=len(self.units),
+            loaded_units=sum(self.loaded),
+            restores=self.restores,
+        )
+
+
+class ArenaSlots(TorchSlots):
+    """The vmm route's device side: the engine's slots in the member's slot range, its resident units
+    in the member's home range, both in the arena; the per-call hooks restore what was evicted."""
+
+    places_resident = True
+
+    def __init__(self, engine: Any, arena: Arena, name: str):
+        super().__init__(engine.device)
+        self.engine = engine
+        self.member = Member(arena, engine, name)
+        self.member.fixed_bytes = engine.unit_plan.base_bytes
+        n_slots = max(1, min(engine.plan.slots, len(engine.streamed))) if engine.streamed else 0
+        slot_bytes = max(engine.layout_bytes) if engine.streamed else 0
+        self.member.lay_out(engine.resident_units, n_slots * slot_bytes)
+
+    def place_resident(self, units: list[Unit], loader: Any) -> None:
+        self.member.place(loader)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return self.member.build_slots()[:nbytes]
+
+    def call_started(self) -> None:
+        self.member.call_started()
+
+    def call_finished(self) -> None:
+        self.member.call_finished()
+
+    def close(self) -> None:
+        super().close()
+        if self.member in self.member.arena.members or self.member.host is not None:
+            self.member.close(self.engine.orig_device)

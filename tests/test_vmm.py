@@ -1,0 +1,168 @@
+"""The vmm route on the CPU, over the host emulation of the arena (``HostChunks``: a range is ordinary
+memory, an unmapped chunk is overwritten with 0xFF, so a weight used without its restore is NaN):
+exactness at every budget, two components sharing one budget (eviction, restore at the same addresses,
+the cap), restoration on remove, and every refusal. The CUDA arena itself: tests/test_gpu_vmm.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddo_blocks
+from ddo_blocks.streaming.arena import Arena, HostChunks
+from ddo_blocks.tiny import flux_inputs
+
+from .helpers import assert_restored, budgets, snapshot
+
+CHUNK = 4096
+
+
+def host_arena(budget: int) -> Arena:
+    return Arena(budget, _backend=HostChunks(CHUNK, budget))
+
+
+def slack(n: int, module: torch.nn.Module | None = None) -> int:
+    """What a budget needs beyond the plan: the home and slot ranges round up to whole chunks, each
+    unit to 256 bytes (``Arena.reserve_bytes``)."""
+    from ddo_blocks.units import split_units
+
+    found = split_units(module)[0] if module is not None else []
+    return n + 2 * CHUNK + 256 * (sum(len(u.params) for u in found) + len(found))
+
+
+@pytest.mark.parametrize("budget_name", ["all_streamed", "half", "all_resident"])
+def test_flux_on_the_arena_equals_resident(flux, budget_name):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    snap = snapshot(flux)
+    arena = host_arena(slack(budgets(flux)[budget_name], flux))
+    handle = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    assert handle.route == "vmm" and handle.preset.name == "vmm_fast"
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(flux(**x)[0], ref)
+    rep = handle.report()
+    fig = arena.report()
+    assert rep["arena"]["peak_device_bytes"] == fig["peak_device_bytes"] <= arena.budget
+    assert rep["arena"]["transformer_mapped_bytes"] == fig["members"]["transformer"]["mapped_bytes"]
+    assert fig["members"]["transformer"]["resident_units"] == rep["plan"]["resident_units"]
+    if budget_name == "all_resident":
+        assert rep["plan"]["streamed_units"] == 0
+    handle.remove()
+    assert_restored(flux, snap)
+    assert arena.members == [] and arena.mapped_chunks() == 0
+    arena.close()
+
+
+def _vae_io(vae):
+    img = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lat = vae.encode(img).latent_dist.mode()
+        dec = vae.decode(lat).sample
+    return lat, dec
+
+
+def test_two_components_share_one_budget_and_get_their_pages_back(flux, vae):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    lat, dec = _vae_io(vae)
+    bf, bv = budgets(flux), budgets(vae, "block")
+    # each fits whole on its own, both together do not
+    budget = max(slack(bf["all_resident"], flux), slack(bv["all_resident"], vae)) + 4 * CHUNK
+    assert bf["all_resident"] + bv["all_resident"] > budget
+    arena = host_arena(budget)
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    home = {n: p.data_ptr() for n, p in flux.named_parameters()}  # before the VAE takes pages
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
+    with torch.no_grad():
+        for _ in range(3):  # a cycle of phases: each call takes pages from the other
+            assert torch.equal(flux(**x)[0], ref)
+            assert torch.equal(vae.decode(lat).sample, dec)
+    fig = arena.report()
+    assert fig["evictions"] > 0 and fig["evicted_bytes"] > 0
+    assert fig["restored_bytes"] > bf["all_resident"]  # the transformer's units came back at least once
+    assert fig["peak_mapped_bytes"] + fig["fixed_bytes"] <= budget
+    assert fig["members"]["transformer"]["restores"] >= 2
+    with torch.no_grad():
+        flux(**x)
+    # every resident weight is back at the address it had after attach (stable addresses)
+    resident = {n for u in hf.units if not u.streamed for n, _ in u.module.named_parameters(prefix=u.name)}
+    assert resident
+    now = dict(flux.named_parameters())
+    assert all(now[n].data_ptr() == home[n] for n in resident)
+    hv.remove()
+    hf.remove()
+    arena.close()
+
+
+def test_an_evicted_unit_points_at_its_host_copy(flux, vae):
+    bf, bv = budgets(flux), budgets(vae, "block")
+    arena = host_arena(max(slack(bf["all_resident"], flux), slack(bv["all_resident"], vae)) + 4 * CHUNK)
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu")
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu")
+    member = next(m for m in arena.members if m.engine.module is flux)
+    lat, _ = _vae_io(vae)
+    with torch.no_grad():
+        vae.decode(lat)
+    evicted = [i for i, ok in enumerate(member.loaded) if not ok]
+    assert evicted
+    base, end = member.home.data_ptr(), member.home.data_ptr() + member.home.numel()
+    for i in evicted:
+        for _, p in member.units[i].params:
+            assert not base <= p.data_ptr() < end  # the host copy, not the unmapped home
+            assert torch.isfinite(p).all()
+    hv.remove()
+    hf.remove()
+
+
+def test_the_cpu_without_a_test_arena_is_refused(flux):
+    snap = snapshot(flux)
+    with pytest.raises(ddo_blocks.CudaNotAvailableError, match="needs a CUDA device"):
+        ddo_blocks.offload(flux, route="vmm", vram_budget="1GiB", device="cpu")
+    with pytest.raises(ddo_blocks.CudaNotAvailableError, match="needs a CUDA device"):
+        ddo_blocks.Arena("1GiB", device="cpu")
+    assert_restored(flux, snap)
+    assert ddo_blocks.get_handle(flux) is None
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"arena": "big"}, ddo_blocks.ConfigError, "arena= takes a ddo_blocks.Arena"),
+    ({}, ddo_blocks.ConfigError, "route='vmm' needs a VRAM budget"),
+    ({"vram_budget": 123, "arena": "ARENA"}, ddo_blocks.ConfigError, "uses the arena's vram_budget"),
+    ({"arena": "ARENA", "codec": "fixed"}, ddo_blocks.ConfigError, "does not take codec"),
+])
+def test_bad_options_are_refused_and_leave_the_module(flux, kwargs, error, match):
+    arena = host_arena(slack(budgets(flux)["all_resident"], flux))
+    kwargs = {k: (arena if v == "ARENA" else v) for k, v in kwargs.items()}
+    snap = snapshot(flux)
+    with pytest.raises(error, match=match):
+        ddo_blocks.offload(flux, route="vmm", device="cpu", **kwargs)
+    assert_restored(flux, snap)
+    assert arena.members == []
+
+
+def test_a_budget_too_small_for_a_second_member_is_refused(flux):
+    from ddo_blocks.tiny import tiny_flux_transformer
+
+    arena = host_arena(slack(budgets(flux)["all_streamed"], flux))
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu")
+    other = tiny_flux_transformer(seed=1)  # its fixed weights beside the first one's leave too little
+    snap = snapshot(other)
+    with pytest.raises(ddo_blocks.BudgetError, match="vram_budget"):
+        ddo_blocks.offload(other, route="vmm", arena=arena, device="cpu")
+    assert_restored(other, snap)
+    assert ddo_blocks.get_handle(other) is None and len(arena.members) == 1
+    with pytest.raises(ddo_blocks.ConfigError, match="still holds"):
+        arena.close()
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        flux(**x)  # the first member still works
+    hf.remove()
+    arena.close()
+
+
+def test_the_route_is_in_the_preset_table():
+    assert ddo_blocks.routes.resolve("vmm", "auto").name == "vmm_fast"
+    assert "vmm_fast" in ddo_blocks.routes.describe()
