@@ -1,12 +1,17 @@
 """A classic ``FluxPipeline`` through ``ddo_blocks.offload_pipeline`` against the same pipeline all
-resident, in one process: time per image, peak GPU memory, and whether the images are identical.
+resident, in one process: time per generation and phase, bytes sent, peak memory, identical images.
 
 The components have Flux-dev's sizes (transformer 22.2 GiB, T5-XXL encoder 9.5 GiB, CLIP-L, the
 Flux VAE) with random weights (seeded), built on the device in bf16 and moved to the CPU; the
 tokenizers are ddo_blocks' in-code word-level ones. ``--tiny`` builds ddo_blocks' tiny components
 instead (for the CPU and the tests).
 
-    python -m benchmarks.pipeline --vram-budget 8GiB --steps 4 --out DIR
+    python -m benchmarks.pipeline --budgets 8,16,24 --routes linear,vmm --steps 28 --generations 3 --out DIR
+
+Rows: all components resident, then per budget ``offload_pipeline(pipe, vram_budget=B)`` (the linear
+route, its default per-component split) and ``offload_pipeline(pipe, preset="vmm_fast", vram_budget=B)``
+(one arena for every component). Each row runs three generations in a row with different prompts
+and reports each generation's encode, denoise and decode time and the bytes it sent.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.measure import Timing, time_forward, write_rows
+from benchmarks.measure import write_rows
 
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
@@ -70,15 +75,88 @@ def _weights(components: dict[str, Any]) -> dict[str, int]:
             for n, m in components.items() if isinstance(m, torch.nn.Module)}
 
 
-def _images(pipe: Any, device: torch.device, call: dict[str, Any], repeats: int) -> tuple[torch.Tensor, Timing]:
-    """One warm-up image, then ``repeats`` timed ones (the harness's loop); the peak GPU counter is
-    reset after the warm-up."""
+PROMPTS = ("a photo of an astronaut riding a horse", "a watercolor of a lighthouse at dusk",
+           "a macro photo of a dew-covered leaf")
+"""One prompt per generation, in turn: every generation encodes anew."""
 
-    def image(**kw: Any) -> torch.Tensor:
-        return pipe(generator=torch.Generator("cpu").manual_seed(0), output_type="pt", **kw).images
 
-    timing = time_forward(image, call, device, repeats=repeats, after_warmup=lambda: _reset(device), keep_output=True)
-    return timing.output.cpu(), timing
+class _Phases:
+    """Times the phases of one pipeline call from hooks on the denoiser (the device synchronised at
+    each step's start and end): encode = call start to the first denoiser step, denoise = first step
+    start to last step end, decode = the rest (VAE decode and post-processing). Samples the driver's
+    used memory (``cudaMemGetInfo``) and the process RSS at each step boundary."""
+
+    def __init__(self, denoiser: torch.nn.Module, device: torch.device):
+        import psutil
+
+        self.device = device
+        self.proc = psutil.Process()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.used_peak = 0
+        self.rss_peak = 0
+        self._hooks = [denoiser.register_forward_pre_hook(self._pre), denoiser.register_forward_hook(self._post)]
+
+    def _mark(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.used_peak = max(self.used_peak, total - free)
+        self.rss_peak = max(self.rss_peak, self.proc.memory_info().rss)
+        return time.perf_counter()
+
+    def _pre(self, *_: Any) -> None:
+        t = self._mark()
+        if self.first is None:
+            self.first = t
+
+    def _post(self, *_: Any) -> None:
+        self.last = self._mark()
+
+    def run(self, fn: Any) -> tuple[Any, dict[str, float]]:
+        self.first = self.last = None
+        t0 = self._mark()
+        out = fn()
+        t1 = self._mark()
+        first, last = self.first or t0, self.last or t1
+        return out, {"encode_s": first - t0, "denoise_s": last - first, "decode_s": t1 - last, "total_s": t1 - t0}
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def _uploaded(off: Any) -> int:
+    """Bytes this offload has sent to the device so far: every component's streamed copies plus the
+    arena's placements and restores (the vmm route)."""
+    if off is None:
+        return 0
+    reports = [r.to_dict() for r in off.report().values()]
+    total = sum(r["runtime"].get("h2d_total_bytes") or 0 for r in reports)
+    arenas = [r["arena"] for r in reports if r.get("arena")]  # offload_pipeline's one arena, in every report
+    if arenas:
+        total += (arenas[0].get("placed_bytes") or 0) + (arenas[0].get("restored_bytes") or 0)
+    return total
+
+
+def _generations(pipe: Any, device: torch.device, call: dict[str, Any], n: int, off: Any = None
+                 ) -> tuple[list[torch.Tensor], list[dict[str, Any]], dict[str, int]]:
+    """``n`` generations, a different prompt each (seed 0): the images, per generation its phase
+    times and the bytes it sent, and the peaks (torch's allocated, the driver's used, RSS)."""
+    _reset(device)
+    phases = _Phases(pipe.transformer, device)
+    images, gens = [], []
+    try:
+        for i in range(n):
+            sent0 = _uploaded(off)
+            img, times = phases.run(lambda i=i: pipe(prompt=PROMPTS[i % len(PROMPTS)], output_type="pt",
+                                                     generator=torch.Generator("cpu").manual_seed(0), **call).images)
+            images.append(img.cpu())
+            gens.append({**times, "uploaded_bytes": _uploaded(off) - sent0})
+    finally:
+        phases.close()
+    return images, gens, {"peak_gpu_allocated": _peak(device) or 0, "peak_driver_used": phases.used_peak,
+                          "peak_rss": phases.rss_peak}
 
 
 def _peak(device: torch.device) -> int | None:
@@ -103,29 +181,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     pipe = FluxPipeline(**components)
     call: dict[str, Any] = dict(CALL_DEFAULTS["flux"]) if args.tiny else dict(height=1024, width=1024)
-    call.update(prompt="a photo of an astronaut riding a horse", num_inference_steps=args.steps)
+    call.pop("prompt", None)
+    call.update(num_inference_steps=args.steps)
     if not args.tiny:
         call.update(max_sequence_length=512, guidance_scale=3.5)
-    rows = []
-
-    pipe.to(device)
-    ref, timing = _images(pipe, device, call, args.repeats)
-    rows.append({"pipeline": "all components resident", "vram_budget": None, "image_s": timing.step_s,
-                 "first_image_s": timing.first_call_s, "peak_gpu_allocated": _peak(device), "exact": True})
-    pipe.to("cpu")
-
-    t1 = time.perf_counter()
-    off = ddo_blocks.offload_pipeline(pipe, vram_budget=args.vram_budget, device=device)
-    setup_s = time.perf_counter() - t1
-    image, timing = _images(pipe, device, call, args.repeats)
-    reports = {n: r.to_dict() for n, r in off.report().items()}
-    rows.append({"pipeline": "offload_pipeline", "vram_budget": off.vram_budget,
-                 "image_s": timing.step_s, "first_image_s": timing.first_call_s, "setup_s": setup_s,
-                 "peak_gpu_allocated": _peak(device), "planned_gpu_bytes": off.gpu_bytes,
-                 "policies": {n: p.describe() for n, p in off.policies.items()},
-                 "exact": bool(torch.equal(image, ref))})
-    off.remove()
-    return {
+    budgets = [ddo_blocks.parse_bytes(b if not b[-1:].isdigit() else b + "GiB", what="budget")
+               for b in args.budgets.split(",") if b]
+    rows: list[dict[str, Any]] = []
+    doc = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python -m benchmarks.pipeline " + " ".join(args.argv),
         "commit": _commit(),
@@ -133,10 +196,56 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "weights": _weights(components),
         "build_s": build_s,
         "call": {k: v for k, v in call.items() if isinstance(v, (int, float, str))},
-        "repeats": args.repeats,
+        "prompts": list(PROMPTS[: args.generations]),
         "rows": rows,
-        "reports": reports,
     }
+
+    def written() -> None:  # after every row: a run cut short by its time limit keeps what it measured
+        write_rows(args.out, "pipeline", doc, markdown(doc))
+
+    _reset(device)
+    pipe.to(device)
+    refs, gens, peaks = _generations(pipe, device, call, args.generations)
+    rows.append({"pipeline": "all components resident", "route": "resident", "vram_budget": None,
+                 "generations": gens, **peaks, "exact": True})
+    pipe.to("cpu")
+    written()
+
+    presets = {"linear": "auto", "vmm": "vmm_fast"}
+    for route in [r for r in args.routes.split(",") if r]:
+        if route not in presets:
+            raise SystemExit(f"--routes takes linear and vmm, got {route!r}")
+        for budget in budgets:
+            _reset(device)
+            t1 = time.perf_counter()
+            try:
+                off = ddo_blocks.offload_pipeline(pipe, vram_budget=budget, device=device, preset=presets[route])
+            except ddo_blocks.DdoError as exc:
+                rows.append({"pipeline": f"offload_pipeline {route}", "route": route, "vram_budget": budget,
+                             "error": f"{type(exc).__name__}: {exc}"})
+                written()
+                continue
+            setup_s = time.perf_counter() - t1
+            try:
+                images, gens, peaks = _generations(pipe, device, call, args.generations, off)
+                reports = {n: r.to_dict() for n, r in off.report().items()}
+                arena = reports.get("transformer", {}).get("arena")
+                rows.append({
+                    "pipeline": f"offload_pipeline {route}", "route": route, "vram_budget": budget,
+                    "setup_s": setup_s, "generations": gens, **peaks,
+                    "arena_peak_bytes": arena["peak_device_bytes"] if arena else None,
+                    "peak_device_weights": arena["peak_device_bytes"] if arena else off.gpu_bytes,
+                    "policies": {n: p.describe() for n, p in off.policies.items()},
+                    "exact": all(torch.equal(a, b) for a, b in zip(images, refs)),
+                })
+            finally:
+                off.remove()
+            print(f"{route} {budget / 2**30:.0f} GiB: " + ", ".join(
+                f"gen{i + 1} {g['total_s']:.2f} s (encode {g['encode_s']:.2f}, denoise {g['denoise_s']:.2f}, decode "
+                f"{g['decode_s']:.2f}, {g['uploaded_bytes'] / 1e9:.1f} GB)" for i, g in enumerate(rows[-1]["generations"])),
+                flush=True)
+            written()
+    return doc
 
 
 def _commit() -> str | None:
@@ -155,19 +264,35 @@ def _machine(device: torch.device) -> str:
 def markdown(doc: dict[str, Any]) -> str:
     from ddo_blocks import fmt_bytes
 
-    lines = [f"# offload_pipeline: a classic FluxPipeline ({doc['machine']})", "",
+    lines = [f"# A classic FluxPipeline, generation after generation ({doc['machine']})", "",
              f"- date: {doc['date']}; commit: {doc['commit']}; command: `{doc['command']}`",
              "- weights: " + ", ".join(f"{n} {fmt_bytes(b)}" for n, b in doc["weights"].items()),
-             f"- call: {json.dumps(doc['call'])}; time per image = median of {doc['repeats']} timed calls after a warm-up "
-             "call; peak GPU over the timed calls",
-             "", "| pipeline | VRAM budget | s / image | first image s | peak GPU allocated | exact |",
-             "|---|---|---|---|---|---|"]
+             f"- call: {json.dumps(doc['call'])}; generations with the prompts {doc['prompts']} in turn, seed 0",
+             "- encode = call start to the first denoiser step, denoise = first step to the last, decode = the rest; "
+             "the device is synchronised at every step boundary; uploaded = bytes sent to the device in that generation",
+             "- peak GPU allocated is PyTorch's counter (it does not see the vmm arena's chunks); arena = the arena's peak "
+             "(chunks mapped + what its members keep outside it); driver used = cudaMemGetInfo's used memory, sampled at "
+             "step boundaries (the whole device, including the CUDA context)",
+             "", "| pipeline | budget | gen | total s | encode s | denoise s | decode s | uploaded GB | peak GPU allocated "
+             "| arena | driver used | peak RSS | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        lines.append(f"| {r['pipeline']} | {fmt_bytes(r['vram_budget']) if r['vram_budget'] else '-'} | "
-                     f"{r['image_s']:.3f} | {r['first_image_s']:.3f} | {fmt_bytes(r['peak_gpu_allocated'])} | "
-                     f"{'yes' if r['exact'] else 'NO'} |")
-    pol = doc["rows"][-1].get("policies", {})
-    lines += ["", "Policies chosen: " + "; ".join(f"{n}: {d}" for n, d in pol.items())]
+        budget = fmt_bytes(r["vram_budget"]) if r.get("vram_budget") else "-"
+        if r.get("error"):
+            lines.append(f"| {r['pipeline']} | {budget} | - | {r['error']} |||||||||")
+            continue
+        for i, g in enumerate(r["generations"]):
+            tail = (f"{fmt_bytes(r['peak_gpu_allocated'])} | "
+                    f"{fmt_bytes(r['arena_peak_bytes']) if r.get('arena_peak_bytes') else '-'} | "
+                    f"{fmt_bytes(r['peak_driver_used']) if r.get('peak_driver_used') else '-'} | "
+                    f"{fmt_bytes(r['peak_rss'])} | {'yes' if r['exact'] else 'NO'}") if i == 0 else "| | | |"
+            lines.append(f"| {r['pipeline'] if i == 0 else ''} | {budget if i == 0 else ''} | {i + 1} | "
+                         f"{g['total_s']:.2f} | {g['encode_s']:.2f} | {g['denoise_s']:.2f} | {g['decode_s']:.2f} | "
+                         f"{g['uploaded_bytes'] / 1e9:.2f} | {tail} |")
+    for r in doc["rows"]:
+        if r.get("policies"):
+            lines += ["", f"{r['pipeline']} at {fmt_bytes(r['vram_budget'])}: "
+                      + "; ".join(f"{n}: {d}" for n, d in r["policies"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -176,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.pipeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--vram-budget", default="8GiB")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=2, help="timed images per pipeline, after one warm-up image")
+    p.add_argument("--budgets", default="8,16,24", help="total VRAM budgets (a bare number is GiB), comma-separated")
+    p.add_argument("--routes", default="linear,vmm", help="linear (offload_pipeline's default split), vmm (vmm_fast)")
+    p.add_argument("--steps", type=int, default=28)
+    p.add_argument("--generations", type=int, default=3, help="generations in a row, each with its own prompt")
     p.add_argument("--tiny", action="store_true", help="ddo_blocks' tiny components (CPU, tests)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

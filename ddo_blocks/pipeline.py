@@ -52,6 +52,8 @@ class PipelineOffload:
     vram_budget: int | None
     device: torch.device
     policies: dict[str, Any] = field(default_factory=dict)
+    arena: Any = None
+    """The :class:`~ddo_blocks.Arena` its components share (``preset="vmm_fast"``), closed by ``remove()``."""
 
     def report(self) -> dict[str, Report]:
         """Every component's report, by component name."""
@@ -76,6 +78,8 @@ class PipelineOffload:
                     errors.append(exc)
         if errors:
             raise errors[0]
+        if self.arena is not None and not self.arena.members:
+            self.arena.close()  # its chunks go back to the driver
 
     def __enter__(self) -> Self:
         return self
@@ -208,6 +212,31 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
     return policies
 
 
+def _arena_policies(modules: dict[str, nn.Module], budget: int | None, preset: str, given: dict[str, Any],
+                    where: dict[str, torch.device], dev: torch.device) -> dict[str, Any]:
+    """``preset="vmm_fast"``: one :class:`~ddo_blocks.Arena` of ``budget`` for every component not given
+    its own policy; what the given ones keep on the device comes out of the arena's budget."""
+    from .blocks.policy import OffloadPolicy
+    from .streaming.arena import Arena
+
+    if budget is None:
+        raise ConfigError(
+            f"offload_pipeline(preset={preset!r}) shares one VRAM budget between the components through a CUDA "
+            "virtual-memory arena: pass vram_budget= (bytes or a size such as '16GiB')"
+        )
+    policies = {n: OffloadPolicy.parse(v, default=OffloadPolicy(), where=f"component {n!r}") for n, v in given.items()}
+    outside = sum(_device_bytes(p, modules[n]) for n, p in policies.items() if where.get(n, dev) == dev)
+    if outside >= budget:
+        raise BudgetError(
+            f"vram_budget={fmt_bytes(budget)} is taken by the components given their own policies "
+            f"({fmt_bytes(outside)}); raise vram_budget or leave them to the arena"
+        )
+    arena = Arena(budget - outside, dev)
+    for name in modules:
+        policies.setdefault(name, OffloadPolicy(route="vmm", preset=preset, options={"arena": arena}))
+    return policies
+
+
 def _component_devices(components: dict[str, Any], dev: torch.device) -> tuple[dict[str, Any], dict[str, torch.device]]:
     """The ``device`` key taken out of each component's policy mapping: (the policies, the devices)."""
     from .blocks.policy import OffloadPolicy
@@ -232,7 +261,9 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
             own policy may take ``"min"`` or ``"auto"`` (``transformer={"vram_budget": "auto"}``), the
             latter only without a pipeline budget.
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
-        preset: the linear route's preset for the denoiser.
+        preset: the linear route's preset for the denoiser; or ``"vmm_fast"``: every component (those
+            given their own policy excepted) on the vmm route, sharing one :class:`~ddo_blocks.Arena` of
+            ``vram_budget``, so each phase can use the pages the others are not using.
         **components: a policy for any component by name (``text_encoder_2="diffusers"``,
             ``transformer={"route": "linear", "vram_budget": "6GiB"}``); the others get the defaults.
             A mapping may put a component on another device (``text_encoder_2={"device": "cuda:1"}``,
@@ -266,9 +297,15 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
             f"(transformer={{'vram_budget': {vram_budget!r}}})"
         )
     budget = parse_bytes(vram_budget, what="vram_budget")
-    routes.resolve("linear", preset)
-    policies = plan_policies(modules, budget, preset, components,
-                             frozenset(n for n, d in where.items() if d != dev))
+    arena_route = routes.route_of_preset(preset)
+    arena = None
+    if arena_route is not None and arena_route.name == "vmm":
+        policies = _arena_policies(modules, budget, preset, components, where, dev)
+        arena = next((p.options["arena"] for p in policies.values() if "arena" in p.options), None)
+    else:
+        routes.resolve("linear", preset)
+        policies = plan_policies(modules, budget, preset, components,
+                                 frozenset(n for n, d in where.items() if d != dev))
     for name, pol in policies.items():
         try:
             pol.check(where.get(name, dev), modules[name], name)  # through the route that will place it
@@ -294,9 +331,11 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
             remove_device_hook(modules[name])
             if not handle.removed:
                 handle.remove()
+        if arena is not None and not arena.members:
+            arena.close()
         raise
     import logging
 
     logging.getLogger("ddo_blocks").info("offload_pipeline(%s): %s", type(pipe).__name__,
                                          "; ".join(f"{n}: {p.describe()}" for n, p in policies.items()))
-    return PipelineOffload(pipe, handles, budget, dev, policies)
+    return PipelineOffload(pipe, handles, budget, dev, policies, arena)

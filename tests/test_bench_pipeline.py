@@ -9,13 +9,18 @@ import json
 def test_pipeline_benchmark_runs_on_the_tiny_components(tmp_path):
     from benchmarks.pipeline import main
 
-    rc = main(["--tiny", "--device", "cpu", "--vram-budget", "600KiB", "--steps", "2", "--out", str(tmp_path)])
+    rc = main(["--tiny", "--device", "cpu", "--budgets", "600KiB", "--routes", "linear,vmm", "--steps", "2",
+               "--generations", "2", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "pipeline.json").read_text())
-    assert rc == 0 and [r["exact"] for r in doc["rows"]] == [True, True]
-    off = doc["rows"][1]
-    assert off["planned_gpu_bytes"] <= off["vram_budget"] == 600 * 1024
-    assert off["policies"]["transformer"].startswith("linear")
-    assert "| offload_pipeline |" in (tmp_path / "pipeline.md").read_text()
+    resident, linear, vmm = doc["rows"]
+    assert rc == 0 and resident["exact"] and linear["exact"]
+    assert linear["peak_device_weights"] <= linear["vram_budget"] == 600 * 1024
+    assert linear["policies"]["transformer"].startswith("linear")
+    assert len(linear["generations"]) == 2 and all(g["denoise_s"] > 0 and g["uploaded_bytes"] > 0
+                                                   for g in linear["generations"])
+    assert "needs a CUDA device" in vmm["error"]  # the vmm route has no CPU path
+    md = (tmp_path / "pipeline.md").read_text()
+    assert "| offload_pipeline linear |" in md and "needs a CUDA device" in md
 
 
 def test_sdnq_benchmark_runs_on_the_tiny_transformer(tmp_path):

@@ -166,3 +166,17 @@ def test_a_budget_too_small_for_a_second_member_is_refused(flux):
 def test_the_route_is_in_the_preset_table():
     assert ddo_blocks.routes.resolve("vmm", "auto").name == "vmm_fast"
     assert "vmm_fast" in ddo_blocks.routes.describe()
+
+
+def test_offload_pipeline_vmm_fast_needs_a_budget_and_cuda():
+    from diffusers import FluxPipeline
+
+    from ddo_blocks.tiny_pipeline import ensure_tiny_model, load_components
+
+    pipe = FluxPipeline(**load_components(ensure_tiny_model("flux")))
+    with pytest.raises(ddo_blocks.ConfigError, match="pass vram_budget="):
+        ddo_blocks.offload_pipeline(pipe, preset="vmm_fast", device="cpu")
+    with pytest.raises(ddo_blocks.CudaNotAvailableError, match="needs a CUDA device"):
+        ddo_blocks.offload_pipeline(pipe, preset="vmm_fast", vram_budget="1GiB", device="cpu")
+    mods = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    assert all(ddo_blocks.get_handle(m) is None for m in mods)

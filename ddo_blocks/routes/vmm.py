@@ -68,7 +68,9 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     arena = _arena(req)
     refuse_unknown("vmm", req.options, ("arena", "units"))
     chosen = SPEC.presets[0] if req.preset == "auto" else SPEC.preset_map[req.preset]
-    if req.device != arena.device:
+    from ..streaming.arena import same_device
+
+    if not same_device(req.device, arena.device):
         raise ConfigError(f"the Arena is on {arena.device}; this component was asked on {req.device}: give it the "
                           "arena's device")
     found, leftovers = split_units(req.module, "child" if units == "child" else "block")

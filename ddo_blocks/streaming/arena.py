@@ -47,6 +47,11 @@ HOME_ALIGN = 256
 _clock = itertools.count(1)
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are the same device."""
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
 class _Span:
     """``__cuda_array_interface__`` of a byte range: what ``torch.as_tensor`` builds a tensor over."""
 
@@ -236,8 +241,7 @@ class Arena:
         with self.lock:
             if self.closed:
                 raise ConfigError("this Arena was closed; make a new one")
-            if any(m.engine.device != member.engine.device for m in self.members) or \
-                    member.engine.device != self.device:
+            if not same_device(member.engine.device, self.device):
                 raise ConfigError(f"an Arena lives on one device ({self.device}); the component is on "
                                   f"{member.engine.device}")
             self.members.append(member)
@@ -267,7 +271,8 @@ class Arena:
         """Unmaps chunks of other members (least recently called first) until ``need`` more chunks fit."""
         with self.lock:
             free = self.cap_chunks - self.mapped_chunks()
-            for other in sorted((m for m in self.members if m is not member), key=lambda m: m.last_call):
+            others = [m for m in self.members if m is not member and m.engine.scheduler.depth == 0]  # not running
+            for other in sorted(others, key=lambda m: m.last_call):
                 if free >= need:
                     break
                 got = other.evict(need - free)
