@@ -13,6 +13,8 @@ Importing it imports neither torch nor ddo_blocks (each function imports what it
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import statistics
 import threading
@@ -143,6 +145,18 @@ def time_forward(
 # -------------------------------------------------------------------------------------------------
 # peak host RSS
 # -------------------------------------------------------------------------------------------------
+def host_rss() -> int:
+    """This process's RSS after a collection and ``malloc_trim`` (freed heap pages returned)."""
+    import psutil
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return int(psutil.Process().memory_info().rss)
+
+
 def ru_maxrss_bytes() -> int:
     """The kernel's peak RSS of this process (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

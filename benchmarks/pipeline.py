@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.measure import write_rows
+from benchmarks.measure import host_rss, write_rows
 
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
@@ -205,9 +205,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     _reset(device)
     pipe.to(device)
+    rss0 = host_rss()  # the baseline of every row's host memory: the weights on the device, not in RAM
     refs, gens, peaks = _generations(pipe, device, call, args.generations)
     rows.append({"pipeline": "all components resident", "route": "resident", "vram_budget": None,
-                 "generations": gens, **peaks, "exact": True})
+                 "generations": gens, **peaks, "host_rss_over_baseline": 0, "exact": True})
     pipe.to("cpu")
     written()
 
@@ -226,13 +227,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 written()
                 continue
             setup_s = time.perf_counter() - t1
+            rss = host_rss() - rss0
             try:
                 images, gens, peaks = _generations(pipe, device, call, args.generations, off)
                 reports = {n: r.to_dict() for n, r in off.report().items()}
                 arena = reports.get("transformer", {}).get("arena")
                 rows.append({
                     "pipeline": f"offload_pipeline {route}", "route": route, "vram_budget": budget,
-                    "setup_s": setup_s, "generations": gens, **peaks,
+                    "setup_s": setup_s, "generations": gens, **peaks, "host_rss_over_baseline": rss,
                     "arena_peak_bytes": arena["peak_device_bytes"] if arena else None,
                     "peak_device_weights": arena["peak_device_bytes"] if arena else off.gpu_bytes,
                     "policies": {n: p.describe() for n, p in off.policies.items()},
@@ -240,6 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 })
             finally:
                 off.remove()
+                host_rss()  # freed host slabs back to the system before the next row
             print(f"{route} {budget / 2**30:.0f} GiB: " + ", ".join(
                 f"gen{i + 1} {g['total_s']:.2f} s (encode {g['encode_s']:.2f}, denoise {g['denoise_s']:.2f}, decode "
                 f"{g['decode_s']:.2f}, {g['uploaded_bytes'] / 1e9:.1f} GB)" for i, g in enumerate(rows[-1]["generations"])),
@@ -272,10 +275,12 @@ def markdown(doc: dict[str, Any]) -> str:
              "the device is synchronised at every step boundary; uploaded = bytes sent to the device in that generation",
              "- peak GPU allocated is PyTorch's counter (it does not see the vmm arena's chunks); arena = the arena's peak "
              "(chunks mapped + what its members keep outside it); driver used = cudaMemGetInfo's used memory, sampled at "
-             "step boundaries (the whole device, including the CUDA context)",
+             "step boundaries (the whole device, including the CUDA context); host RAM = the process's RSS once attached less "
+             "its RSS with every component resident on the device (both after malloc_trim), and its ratio to the weights",
              "", "| pipeline | budget | gen | total s | encode s | denoise s | decode s | uploaded GB | peak GPU allocated "
-             "| arena | driver used | peak RSS | exact |",
+             "| arena | driver used | host RAM | exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    weights = sum(doc["weights"].values())
     for r in doc["rows"]:
         budget = fmt_bytes(r["vram_budget"]) if r.get("vram_budget") else "-"
         if r.get("error"):
@@ -285,7 +290,8 @@ def markdown(doc: dict[str, Any]) -> str:
             tail = (f"{fmt_bytes(r['peak_gpu_allocated'])} | "
                     f"{fmt_bytes(r['arena_peak_bytes']) if r.get('arena_peak_bytes') else '-'} | "
                     f"{fmt_bytes(r['peak_driver_used']) if r.get('peak_driver_used') else '-'} | "
-                    f"{fmt_bytes(r['peak_rss'])} | {'yes' if r['exact'] else 'NO'}") if i == 0 else "| | | |"
+                    f"{fmt_bytes(r['host_rss_over_baseline'])} ({r['host_rss_over_baseline'] / weights:.2f}x) | "
+                    f"{'yes' if r['exact'] else 'NO'}") if i == 0 else "| | | | |"
             lines.append(f"| {r['pipeline'] if i == 0 else ''} | {budget if i == 0 else ''} | {i + 1} | "
                          f"{g['total_s']:.2f} | {g['encode_s']:.2f} | {g['denoise_s']:.2f} | {g['decode_s']:.2f} | "
                          f"{g['uploaded_bytes'] / 1e9:.2f} | {tail} |")

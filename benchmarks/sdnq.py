@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import gc
 import warnings
 from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
-from benchmarks.measure import parse_size, time_forward, write_rows
+from benchmarks.measure import host_rss, parse_size, time_forward, write_rows
 
 
 def _quantize(model: torch.nn.Module, fmt: str, device: torch.device, tiny: bool) -> torch.nn.Module:
@@ -74,18 +72,6 @@ def _inputs(model: torch.nn.Module, args: argparse.Namespace, device: torch.devi
 
 def _weights(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def host_rss() -> int:
-    """This process's RSS after a collection and ``malloc_trim`` (freed heap pages returned)."""
-    import psutil
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    return int(psutil.Process().memory_info().rss)
 
 
 def _resident_rss(model: torch.nn.Module, device: torch.device) -> int:

@@ -215,7 +215,10 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
 def _arena_policies(modules: dict[str, nn.Module], budget: int | None, preset: str, given: dict[str, Any],
                     where: dict[str, torch.device], dev: torch.device) -> dict[str, Any]:
     """``preset="vmm_fast"``: one :class:`~ddo_blocks.Arena` of ``budget`` for every component not given
-    its own policy; what the given ones keep on the device comes out of the arena's budget."""
+    its own policy; what the given ones keep on the device comes out of the arena's budget. The
+    denoiser, called at every step, plans with the whole arena; each other component plans as it would
+    on the linear route (resident when small, else its minimum budget): the chunks it holds go to the
+    denoiser during the steps, and what the denoiser gives up for it comes back once per image."""
     from .blocks.policy import OffloadPolicy
     from .streaming.arena import Arena
 
@@ -232,9 +235,16 @@ def _arena_policies(modules: dict[str, nn.Module], budget: int | None, preset: s
             f"({fmt_bytes(outside)}); raise vram_budget or leave them to the arena"
         )
     arena = Arena(budget - outside, dev)
-    for name in modules:
-        policies.setdefault(name, OffloadPolicy(route="vmm", preset=preset, options={"arena": arena}))
-    return policies
+    denoiser = _denoiser(modules)
+    for name, module in modules.items():
+        if name in policies:
+            continue
+        own = None
+        if name != denoiser:
+            size, smallest = device_bytes(module), minimum_budget(module)
+            own = None if size <= SMALL_FRACTION * budget or size <= smallest else smallest
+        policies[name] = OffloadPolicy(route="vmm", preset=preset, vram_budget=own, options={"arena": arena})
+    return {n: policies[n] for n in sorted(policies, key=lambda n: n == denoiser)}  # the denoiser plans last
 
 
 def _component_devices(components: dict[str, Any], dev: torch.device) -> tuple[dict[str, Any], dict[str, torch.device]]:
@@ -315,8 +325,8 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
 
     handles: dict[str, OffloadHandle] = {}
     try:
-        for name, module in modules.items():
-            pol = policies[name]
+        for name in policies:  # in the policies' order (the vmm preset plans the denoiser last)
+            module, pol = modules[name], policies[name]
             own = where.get(name, dev)
             try:
                 handles[name] = offload(module, device=own, component=name, **pol.offload_kwargs())

@@ -107,6 +107,8 @@ def test_offload_pipeline_vmm_fast_is_exact_within_the_budget():
     pipe.to("cpu")
     with ddo_blocks.offload_pipeline(pipe, preset="vmm_fast", vram_budget="256MiB", device="cuda") as off:
         assert {h.route for h in off.handles.values()} == {"vmm"}
+        assert list(off.handles)[-1] == "transformer"  # the denoiser plans last, with the whole arena
+        assert off.policies["transformer"].vram_budget is None
         assert torch.equal(image(pipe), ref)
         assert torch.equal(image(pipe), ref)
         arena = off.report()["transformer"]["arena"]

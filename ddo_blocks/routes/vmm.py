@@ -24,19 +24,21 @@ PRESETS = (
 )
 
 
-def _arena(req: EngineRequest) -> Any:
+def _arena(req: EngineRequest) -> tuple[Any, int | None]:
+    """The arena and the component's own plan budget within it (``None``: the whole arena)."""
     from ..streaming.arena import Arena
 
     arena = req.options.pop("arena", None)
     if arena is not None and not isinstance(arena, Arena):
         raise ConfigError(f"route='vmm': arena= takes a ddo_blocks.Arena, got {type(arena).__name__}")
     if arena is not None:
-        if req.budget is not None and req.budget != arena.budget:
+        if req.budget is not None and req.budget > arena.budget:
             raise ConfigError(
-                f"route='vmm' with an Arena uses the arena's vram_budget ({fmt_bytes(arena.budget)}) for all its "
-                f"components; leave vram_budget unset for this component (it was {fmt_bytes(req.budget)})"
+                f"route='vmm' with an Arena: vram_budget is what this component plans to use of the arena while it "
+                f"runs, at most the arena's {fmt_bytes(arena.budget)}; it was {fmt_bytes(req.budget)} (leave it unset "
+                "for the whole arena, or pass 'min')"
             )
-        return arena
+        return arena, req.budget
     if req.budget is None:
         raise ConfigError(
             "route='vmm' needs a VRAM budget: pass vram_budget= (bytes or a size such as '16GiB'), or an "
@@ -44,7 +46,7 @@ def _arena(req: EngineRequest) -> Any:
         )
     arena = Arena(req.budget, req.device)
     arena.private = True
-    return arena
+    return arena, None
 
 
 def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
@@ -65,7 +67,7 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     from ..units import split_units
 
     units = plan.check_granularity(req.options.pop("units", "auto"))
-    arena = _arena(req)
+    arena, own = _arena(req)
     refuse_unknown("vmm", req.options, ("arena", "units"))
     chosen = SPEC.presets[0] if req.preset == "auto" else SPEC.preset_map[req.preset]
     from ..streaming.arena import same_device
@@ -75,7 +77,8 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
                           "arena's device")
     found, leftovers = split_units(req.module, "child" if units == "child" else "block")
     fixed = plan.buffer_bytes(req.module) + sum(p.numel() * p.element_size() for _, p in leftovers)
-    budget = arena.plan_budget()
+    reserve = arena.reserve_bytes(sum(len(u.params) for u in found) + len(found))
+    budget = arena.plan_budget() if own is None else min(arena.plan_budget(), own + reserve)
     if budget <= fixed:
         raise BudgetError(
             f"the arena's vram_budget={fmt_bytes(arena.budget)} leaves nothing for {type(req.module).__name__} after "
@@ -85,7 +88,7 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     name = req.component or type(req.module).__name__
     return chosen, StreamingEngine(req.module, chosen, budget, req.device, measured=req.measured,
                                    store=stores.HostSlabs, loader=req.loader, units=units,
-                                   reserve_bytes=arena.reserve_bytes(sum(len(u.params) for u in found) + len(found)),
+                                   reserve_bytes=reserve,
                                    slots=lambda engine: ArenaSlots(engine, arena, name),
                                    extra_sections=lambda: {"arena": arena.report_section()})
 

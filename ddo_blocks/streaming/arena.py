@@ -178,7 +178,11 @@ class Arena:
         chunk_bytes: physical chunk size (rounded up to the device's granularity).
 
     Pass it to ``offload(module, route="vmm", arena=arena)`` for each component, or let
-    ``offload_pipeline(pipe, preset="vmm_fast", vram_budget=...)`` make one for a whole pipeline.
+    ``offload_pipeline(pipe, preset="vmm_fast", vram_budget=...)`` make one for a whole pipeline. A
+    component plans with the whole arena unless given its own ``vram_budget`` (``"min"``, bytes): give
+    the components called once per image (text encoders) ``"min"`` and the denoiser, called at every
+    step, the rest: the encoders' chunks then go to the denoiser during the steps, and what the
+    denoiser gives up for an encoder's call comes back once per image, not once per step.
     ``report()`` gives the arena's figures; ``close()`` after every member was removed.
     """
 
