@@ -317,6 +317,9 @@ def _auto_budget(module: nn.Module, spec: routes.RouteSpec, options: dict[str, A
     if not spec.streams:
         raise ConfigError(f"vram_budget='auto' picks the budget of a route that streams; route {spec.name!r} does "
                           "not stream: pass bytes, a size such as '6GiB', or None")
+    if not spec.auto_budget:
+        raise ConfigError(f"vram_budget='auto' is not built for route {spec.name!r} yet: pass bytes or a size such as "
+                          "'16GiB' (or 'min' for a component sharing an Arena)")
     minimum = minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
     return AutoBudget.at_attach(dev, minimum, type(module).__name__)
 

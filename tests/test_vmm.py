@@ -132,6 +132,7 @@ def test_the_cpu_without_a_test_arena_is_refused(flux):
     ({}, ddo_blocks.ConfigError, "route='vmm' needs a VRAM budget"),
     ({"vram_budget": 1 << 40, "arena": "ARENA"}, ddo_blocks.ConfigError, "at most the arena's"),
     ({"arena": "ARENA", "codec": "fixed"}, ddo_blocks.ConfigError, "does not take codec"),
+    ({"vram_budget": "auto"}, ddo_blocks.ConfigError, "'auto' is not built for route 'vmm'"),
 ])
 def test_bad_options_are_refused_and_leave_the_module(flux, kwargs, error, match):
     arena = host_arena(slack(budgets(flux)["all_resident"], flux))
@@ -180,3 +181,38 @@ def test_offload_pipeline_vmm_fast_needs_a_budget_and_cuda():
         ddo_blocks.offload_pipeline(pipe, preset="vmm_fast", vram_budget="1GiB", device="cpu")
     mods = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
     assert all(ddo_blocks.get_handle(m) is None for m in mods)
+
+
+def test_modular_stages_share_one_arena():
+    """wrap() with every stage on one Arena (a policy option): the image of the pipeline without offloading."""
+    from diffusers.modular_pipelines import FluxAutoBlocks
+
+    from ddo_blocks.blocks import remove_offload
+    from ddo_blocks.tiny_pipeline import CALL_DEFAULTS, ensure_tiny_model, load_components
+
+    def run(blocks, components):
+        pipe = blocks.init_pipeline()
+        pipe.update_components(**components)
+        return pipe, pipe(prompt="a cat on a tree", generator=torch.Generator().manual_seed(0), output_type="pt",
+                          **CALL_DEFAULTS["flux"])
+
+    root = ensure_tiny_model("flux")
+    _, ref = run(FluxAutoBlocks(), load_components(root))
+    components = load_components(root)
+    sizes = {n: sum(p.numel() * p.element_size() for p in components[n].parameters())
+             for n in ("text_encoder", "text_encoder_2", "transformer", "vae")}
+    arena = host_arena(slack(sizes["transformer"], components["transformer"]) + 8 * CHUNK)
+    assert sum(sizes.values()) > arena.budget  # they do not all fit at once
+    policy = {"route": "vmm", "arena": arena}
+    blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder={**policy, "vram_budget": "min"},
+                             denoise=policy, decode=policy)
+    pipe, state = run(blocks, components)
+    assert torch.equal(state.get("images"), ref.get("images"))
+    assert {m.name for m in arena.members} == {"text_encoder", "text_encoder_2", "transformer", "vae"}
+    assert arena.report()["evictions"] > 0
+    _, again = pipe, pipe(prompt="a cat on a tree", generator=torch.Generator().manual_seed(0), output_type="pt",
+                          **CALL_DEFAULTS["flux"])
+    assert torch.equal(again.get("images"), ref.get("images"))
+    assert remove_offload(pipe) == 4
+    assert arena.members == []
+    arena.close()

@@ -165,6 +165,7 @@ class RouteSpec:
             accelerate already offloads is refused.
         holds_all: every weight stays on the device while attached (``resident``): what a
             pipeline-wide budget must count for it.
+        auto_budget: takes ``vram_budget="auto"`` (a streaming route sized from the free memory at attach).
         needs_cuda: the route has no CPU path (``vmm``): on the CPU it refuses with
             ``CudaNotAvailableError`` and the benchmarks skip its rows.
         check: validates a module, preset, budget, device and options before anything moves (blocks
@@ -188,6 +189,7 @@ class RouteSpec:
     places_weights: bool = True
     holds_all: bool = False
     needs_cuda: bool = False
+    auto_budget: bool = True
     check: Callable[..., None] | None = None
     claims: Callable[[nn.Module], bool] | None = None
     claims_auto_of: str | None = None

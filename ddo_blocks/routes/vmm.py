@@ -102,6 +102,7 @@ SPEC = RouteSpec(
     streams=True,
     device_hook=True,
     needs_cuda=True,
+    auto_budget=False,
     check=check,
 )
 SPECS = (SPEC,)
