@@ -213,9 +213,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     written()
 
     presets = {"linear": "auto", "vmm": "vmm_fast"}
-    for route in [r for r in args.routes.split(",") if r]:
-        if route not in presets:
-            raise SystemExit(f"--routes takes linear and vmm, got {route!r}")
+    asked = [r for r in args.routes.split(",") if r]
+    unknown = [r for r in asked if r not in presets and r not in PEERS]
+    if unknown:
+        raise SystemExit(f"--routes takes {', '.join([*presets, *PEERS])}, got {', '.join(unknown)}")
+    for route in [r for r in asked if r in presets]:
         for budget in budgets:
             _reset(device)
             t1 = time.perf_counter()
@@ -248,7 +250,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{g['decode_s']:.2f}, {g['uploaded_bytes'] / 1e9:.1f} GB)" for i, g in enumerate(rows[-1]["generations"])),
                 flush=True)
             written()
+    for peer in [r for r in asked if r in PEERS]:  # after ours: group offloading is never taken off again
+        _reset(device)
+        t1 = time.perf_counter()
+        PEERS[peer][1](pipe, device)
+        setup_s = time.perf_counter() - t1
+        images, gens, peaks = _generations(pipe, device, call, args.generations)
+        for g in gens:
+            g["uploaded_bytes"] = None  # the peers do not count what they send
+        rows.append({"pipeline": PEERS[peer][0], "route": peer, "vram_budget": None, "setup_s": setup_s,
+                     "generations": gens, **peaks, "host_rss_over_baseline": host_rss() - rss0,
+                     "exact": all(torch.equal(a, b) for a, b in zip(images, refs))})
+        print(f"{peer}: " + ", ".join(f"gen{i + 1} {g['total_s']:.2f} s" for i, g in enumerate(gens)), flush=True)
+        if PEERS[peer][2] is not None:
+            PEERS[peer][2](pipe)
+        written()
     return doc
+
+
+def _model_cpu_offload(pipe: Any, device: torch.device) -> None:
+    pipe.enable_model_cpu_offload(device=device)
+
+
+def _undo_model_cpu_offload(pipe: Any) -> None:
+    pipe.remove_all_hooks()
+    pipe.to("cpu")
+
+
+def _group_offload(pipe: Any, device: torch.device) -> None:
+    pipe.enable_group_offload(onload_device=device, offload_type="block_level", num_blocks_per_group=1,
+                              use_stream=device.type == "cuda")
+
+
+PEERS: dict[str, tuple[str, Any, Any]] = {
+    "model_cpu_offload": ("diffusers enable_model_cpu_offload()", _model_cpu_offload, _undo_model_cpu_offload),
+    "group_offload": ("diffusers enable_group_offload(block_level, 1 block per group, use_stream)", _group_offload,
+                      None),
+}
+"""Peer rows: name -> (label, attach, undo or None: the last row of a run)."""
 
 
 def _commit() -> str | None:
@@ -287,6 +326,7 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {r['pipeline']} | {budget} | - | {r['error']} |||||||||")
             continue
         for i, g in enumerate(r["generations"]):
+            sent = "-" if g["uploaded_bytes"] is None else f"{g['uploaded_bytes'] / 1e9:.2f}"
             tail = (f"{fmt_bytes(r['peak_gpu_allocated'])} | "
                     f"{fmt_bytes(r['arena_peak_bytes']) if r.get('arena_peak_bytes') else '-'} | "
                     f"{fmt_bytes(r['peak_driver_used']) if r.get('peak_driver_used') else '-'} | "
@@ -294,7 +334,7 @@ def markdown(doc: dict[str, Any]) -> str:
                     f"{'yes' if r['exact'] else 'NO'}") if i == 0 else "| | | | |"
             lines.append(f"| {r['pipeline'] if i == 0 else ''} | {budget if i == 0 else ''} | {i + 1} | "
                          f"{g['total_s']:.2f} | {g['encode_s']:.2f} | {g['denoise_s']:.2f} | {g['decode_s']:.2f} | "
-                         f"{g['uploaded_bytes'] / 1e9:.2f} | {tail} |")
+                         f"{sent} | {tail} |")
     for r in doc["rows"]:
         if r.get("policies"):
             lines += ["", f"{r['pipeline']} at {fmt_bytes(r['vram_budget'])}: "
@@ -308,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pipeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--budgets", default="8,16,24", help="total VRAM budgets (a bare number is GiB), comma-separated")
-    p.add_argument("--routes", default="linear,vmm", help="linear (offload_pipeline's default split), vmm (vmm_fast)")
+    p.add_argument("--routes", default="linear,vmm",
+                   help="linear (offload_pipeline's default split), vmm (vmm_fast); peers: model_cpu_offload, "
+                        "group_offload (runs last: it is not removed again)")
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--generations", type=int, default=3, help="generations in a row, each with its own prompt")
     p.add_argument("--tiny", action="store_true", help="ddo_blocks' tiny components (CPU, tests)")

@@ -9,10 +9,12 @@ import json
 def test_pipeline_benchmark_runs_on_the_tiny_components(tmp_path):
     from benchmarks.pipeline import main
 
-    rc = main(["--tiny", "--device", "cpu", "--budgets", "600KiB", "--routes", "linear,vmm", "--steps", "2",
-               "--generations", "2", "--out", str(tmp_path)])
+    rc = main(["--tiny", "--device", "cpu", "--budgets", "600KiB", "--routes", "linear,vmm,model_cpu_offload,group_offload",
+               "--steps", "2", "--generations", "2", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "pipeline.json").read_text())
-    resident, linear, vmm = doc["rows"]
+    resident, linear, vmm, cpu_offload, group = doc["rows"]
+    assert cpu_offload["route"] == "model_cpu_offload" and group["route"] == "group_offload"
+    assert cpu_offload["exact"] and group["exact"] and len(group["generations"]) == 2
     assert rc == 0 and resident["exact"] and linear["exact"]
     assert linear["peak_device_weights"] <= linear["vram_budget"] == 600 * 1024
     assert linear["policies"]["transformer"].startswith("linear")
