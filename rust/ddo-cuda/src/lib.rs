@@ -24,8 +24,8 @@ mod reader;
 mod readpool;
 mod stager;
 pub mod tiered;
-mod vmm;
 mod transport;
+mod vmm;
 
 pub use deferred::{take_deferred_error, ErrorSlot};
 pub use driver::{

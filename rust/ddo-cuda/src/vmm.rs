@@ -157,7 +157,10 @@ impl VmmArena {
     /// stay until unmapped (then [`VmmArena::trim`] releases them).
     pub fn set_max_bytes(&mut self, max_bytes: usize) -> Result<()> {
         self.max_chunks = max_bytes / self.chunk;
-        self.trim(self.max_chunks.saturating_sub(self.created - self.free.len()))
+        self.trim(
+            self.max_chunks
+                .saturating_sub(self.created - self.free.len()),
+        )
     }
 
     /// Reserves an address range of at least `nbytes` (whole chunks) with nothing mapped; returns its base.
