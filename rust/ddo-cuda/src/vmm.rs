@@ -389,3 +389,51 @@ impl Drop for VmmArena {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a driver the arena is a clear `NotAvailable`; with one (the GPU machine), chunks map
+    /// and unmap within the cap, addresses stay, and the cap is an `OutOfMemory` error.
+    #[test]
+    fn an_arena_maps_within_its_cap_or_says_cuda_is_missing() {
+        let mb = 1usize << 20;
+        let mut arena = match VmmArena::new(0, 2 * mb, 6 * mb) {
+            Ok(a) => a,
+            Err(e) => {
+                assert!(matches!(e, CudaError::NotAvailable(_)), "{e}");
+                return;
+            }
+        };
+        let chunk = arena.chunk_bytes();
+        arena.set_max_bytes(3 * chunk).unwrap();
+        let base = arena.reserve(5 * chunk).unwrap();
+        assert_eq!(arena.map(base, 0, 3).unwrap(), 3);
+        assert_eq!(
+            arena.map(base, 0, 3).unwrap(),
+            0,
+            "mapping what is mapped does nothing"
+        );
+        let err = arena.map(base, 3, 1).unwrap_err();
+        assert!(matches!(err, CudaError::OutOfMemory(_)), "{err}");
+        // SAFETY: nothing ever used the arena's memory.
+        assert_eq!(unsafe { arena.unmap(base, 1, 2) }.unwrap(), 2);
+        assert_eq!(
+            arena.mapped(base).unwrap(),
+            vec![true, false, false, false, false]
+        );
+        assert_eq!(
+            arena.map(base, 3, 2).unwrap(),
+            2,
+            "the freed chunks are reused"
+        );
+        let s = arena.stats();
+        assert_eq!((s.created, s.mapped, s.creations), (3, 3, 3));
+        assert!(arena.map(base, 4, 2).is_err(), "outside the range");
+        arena.trim(0).unwrap();
+        // SAFETY: as above.
+        unsafe { arena.free_range(base) }.unwrap();
+        assert_eq!(arena.stats().mapped, 0);
+    }
+}
