@@ -216,3 +216,28 @@ def test_modular_stages_share_one_arena():
     assert remove_offload(pipe) == 4
     assert arena.members == []
     arena.close()
+
+
+def test_a_mapping_that_fails_at_attach_leaves_the_module_and_the_arena(flux, monkeypatch):
+    """cuMemCreate out of memory (here: the emulation's map raising it) during attach: the module is
+    as it was, the arena holds nothing of it, and a later attach works."""
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    snap = snapshot(flux)
+    arena = host_arena(slack(budgets(flux)["half"], flux))
+
+    def no_memory(*a, **k):
+        raise ddo_blocks.OffloadMemoryError("out of memory: cuMemCreate while creating a chunk (test)")
+
+    monkeypatch.setattr(arena.backend, "map", no_memory)
+    with pytest.raises(ddo_blocks.OffloadMemoryError, match="cuMemCreate"):
+        ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu")
+    assert_restored(flux, snap)
+    assert ddo_blocks.get_handle(flux) is None and arena.members == [] and arena.mapped_chunks() == 0
+    monkeypatch.undo()
+    handle = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    handle.remove()
+    assert_restored(flux, snap)

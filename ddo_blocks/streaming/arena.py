@@ -85,6 +85,9 @@ class CudaChunks:
     def unmap(self, base: int, first: int, count: int) -> int:
         return self.native.unmap(base, first, count)
 
+    def mapped(self, base: int) -> list[bool]:
+        return self.native.mapped(base)
+
     def free_range(self, base: int) -> None:
         self._size.pop(base, None)
         self.native.free_range(base)
@@ -151,6 +154,9 @@ class HostChunks:
                 t[i * self.chunk_bytes:(i + 1) * self.chunk_bytes].fill_(0xFF)
                 done += 1
         return done
+
+    def mapped(self, base: int) -> list[bool]:
+        return list(self._ranges[base][1])
 
     def free_range(self, base: int) -> None:
         self._ranges.pop(base, None)
@@ -427,20 +433,39 @@ class Member:
         self.slot_tensor = self.arena.backend.tensor(self.slot_base)[: self.slot_nbytes]
         return self.slot_tensor
 
+    def _map(self, base: int, first: int, count: int) -> None:
+        try:
+            self.arena.backend.map(base, first, count)
+        except OffloadMemoryError as exc:
+            raise OffloadMemoryError(
+                f"out of GPU memory mapping {count} chunk(s) of {fmt_bytes(self.chunk)} for {self.name} in the arena "
+                f"({fmt_bytes(self.arena.budget)} on {self.arena.device}): the device has less free memory than the "
+                f"arena's budget; free GPU memory or give the Arena a smaller vram_budget ({exc})"
+            ) from exc
+
     def _map_home(self) -> None:
         missing = self.home_chunks - self.home_mapped
         if missing <= 0:
             return
         self.arena.make_room(self, missing)
-        self.arena.backend.map(self.home_base, self.home_mapped, missing)
-        self.home_mapped = self.home_chunks
-        self.arena.note_mapped()
+        try:
+            self._map(self.home_base, self.home_mapped, missing)
+        finally:  # a prefix is mapped even when a later chunk failed: count what is there
+            mapped = self.arena.backend.mapped(self.home_base)
+            self.home_mapped = next((i for i, m in enumerate(mapped) if not m), len(mapped))
+            if self.home_mapped < len(mapped):  # keep the prefix invariant: nothing mapped past the gap
+                self.arena.backend.unmap(self.home_base, self.home_mapped, len(mapped) - self.home_mapped)
+            self.arena.note_mapped()
 
     def _map_slots(self) -> None:
         if self.slots_mapped or not self.slot_chunks:
             return
         self.arena.make_room(self, self.slot_chunks)
-        self.arena.backend.map(self.slot_base, 0, self.slot_chunks)
+        try:
+            self._map(self.slot_base, 0, self.slot_chunks)
+        except BaseException:
+            self.arena.backend.unmap(self.slot_base, 0, self.slot_chunks)  # all or nothing
+            raise
         self.slots_mapped = True
         self.arena.note_mapped()
 
