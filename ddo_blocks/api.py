@@ -129,13 +129,13 @@ class OffloadHandle:
         engine.detach()  # the call is done; the module is back where it was
         try:
             chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, new, self.device,
-                                                       dict(options), None))
+                                                       dict(options), None, component=self.component))
             fresh.attach()
         except DdoError as exc:  # the first budget worked: attach it again
             auto.reason += f"; attaching at {new} bytes failed ({exc}), the first budget was attached again"
             log.warning("ddo_blocks: %s: %s", self.component, auto.reason)
             chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, old_budget, self.device,
-                                                       dict(options), None))
+                                                       dict(options), None, component=self.component))
             fresh.attach()
             self.engine = fresh
             return
@@ -170,13 +170,14 @@ class OffloadHandle:
         old.detach()
         try:
             chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, self.vram_budget,
-                                                       self.device, dict(options), None, measured))
+                                                       self.device, dict(options), None, measured,
+                                                       component=self.component))
             fresh.attach()
         except DdoError as exc:
             log.warning("ddo_blocks: %s: re-planning failed (%s); the earlier plan is attached again", self.component,
                         exc)
             chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, self.vram_budget,
-                                                       self.device, dict(options), None))
+                                                       self.device, dict(options), None, component=self.component))
             fresh.attach()
             self.engine = fresh
             return False

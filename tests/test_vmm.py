@@ -241,3 +241,29 @@ def test_a_mapping_that_fails_at_attach_leaves_the_module_and_the_arena(flux, mo
         assert torch.equal(flux(**x)[0], ref)
     handle.remove()
     assert_restored(flux, snap)
+
+
+def test_replan_and_remove_in_any_order_keep_the_arena_consistent(flux, vae):
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    lat, dec = _vae_io(vae)
+    bf, bv = budgets(flux), budgets(vae, "block")
+    arena = host_arena(max(slack(bf["half"], flux), slack(bv["all_resident"], vae)) + 4 * CHUNK)
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
+    with torch.no_grad():
+        flux(**x)
+        flux(**x)
+    hf.replan(min_gain=-1.0)  # attached again (or kept) on the same arena, under the same name
+    assert sorted(m.name for m in arena.members) == ["transformer", "vae"]
+    with torch.no_grad():
+        assert torch.equal(vae.decode(lat).sample, dec)
+        assert torch.equal(flux(**x)[0], ref)
+    hf.remove()  # the first member leaves; the other keeps working and can take the whole arena
+    with torch.no_grad():
+        assert torch.equal(vae.decode(lat).sample, dec)
+    assert [m.name for m in arena.members] == ["vae"]
+    hv.remove()
+    assert arena.mapped_chunks() == 0 and arena.backend.stats()["mapped"] == 0
+    arena.close()
