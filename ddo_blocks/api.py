@@ -333,7 +333,8 @@ def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options
     if not spec.streams:
         raise ConfigError(f"vram_budget='min' is the smallest plan of a route that streams; route {spec.name!r} "
                           "does not stream: pass bytes, a size such as '6GiB', or None")
-    return minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
+    extra = spec.min_extra(module, options) if spec.min_extra is not None else 0
+    return minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off")) + extra
 
 
 def _check_is_module(module: Any, what: str) -> None:

@@ -242,7 +242,7 @@ def _arena_policies(modules: dict[str, nn.Module], budget: int | None, preset: s
         own = None
         if name != denoiser:
             size, smallest = device_bytes(module), minimum_budget(module)
-            own = None if size <= SMALL_FRACTION * budget or size <= smallest else smallest
+            own = None if size <= SMALL_FRACTION * budget or size <= smallest else "min"  # with the arena's rounding
         policies[name] = OffloadPolicy(route="vmm", preset=preset, vram_budget=own, options={"arena": arena})
     return {n: policies[n] for n in sorted(policies, key=lambda n: n == denoiser)}  # the denoiser plans last
 

@@ -267,3 +267,94 @@ def test_replan_and_remove_in_any_order_keep_the_arena_consistent(flux, vae):
     hv.remove()
     assert arena.mapped_chunks() == 0 and arena.backend.stats()["mapped"] == 0
     arena.close()
+
+
+def _net(n_blocks: int = 8, width: int = 256, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n_blocks))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    return Net().eval()
+
+
+def test_a_member_running_in_another_thread_is_never_evicted():
+    """A streamed unit called on its own in one thread while another member needs its chunks: the other
+    call is refused with a BudgetError naming the running member; the running unit's output is right."""
+    import threading
+
+    a, b = _net(seed=0), _net(seed=1)
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        ref = a.blocks[5](x)
+    unit = 256 * 257 * 4
+    budget = 8 * unit + 2 * CHUNK + 64 * CHUNK  # one net resident, not two
+    arena = host_arena(budget)
+    ha = ddo_blocks.offload(a, route="vmm", arena=arena, device="cpu", vram_budget=3 * unit, component="a")
+    hb = ddo_blocks.offload(b, route="vmm", arena=arena, device="cpu", component="b")
+    with torch.no_grad():
+        a(x)  # a takes its chunks back from b
+    go, done, errors = threading.Event(), threading.Event(), []
+
+    def other():
+        go.wait()
+        try:
+            with torch.no_grad():
+                b(x)
+        except ddo_blocks.BudgetError as exc:
+            errors.append(str(exc))
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+
+    def inside(mod, args):  # inside a.blocks[5], its weights bound to a slot
+        go.set()
+        done.wait()
+
+    h = a.blocks[5].register_forward_pre_hook(inside)
+    with torch.no_grad():
+        out = a.blocks[5](x)
+    h.remove()
+    t.join()
+    assert torch.equal(out, ref)
+    assert errors and "a hold(s) the rest and is running now" in errors[0]
+    with torch.no_grad():
+        assert torch.equal(b(x), b(x))  # b works once a is done
+    hb.remove()
+    ha.remove()
+    arena.close()
+
+
+def test_a_failure_freeing_a_range_still_takes_the_member_out(flux, vae, monkeypatch):
+    bf, bv = budgets(flux), budgets(vae, "block")
+    arena = host_arena(max(slack(bf["all_resident"], flux), slack(bv["all_resident"], vae)) + 4 * CHUNK)
+    snap = snapshot(flux)
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
+    real = arena.backend.free_range
+    calls = []
+
+    def flaky(base):
+        calls.append(base)
+        if len(calls) <= 2:  # the first range fails twice (the retry too)
+            raise ddo_blocks.CudaError("cuMemAddressFree failed (test)")
+        real(base)
+
+    monkeypatch.setattr(arena.backend, "free_range", flaky)
+    with pytest.raises(ddo_blocks.CudaError, match="cuMemAddressFree"):
+        hf.remove()
+    assert_restored(flux, snap)
+    assert [m.name for m in arena.members] == ["vae"]
+    lat, dec = _vae_io(vae)
+    with torch.no_grad():
+        assert torch.equal(vae.decode(lat).sample, dec)  # the other member takes the whole arena
+    hv.remove()
+    arena.close()

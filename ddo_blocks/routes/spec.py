@@ -165,6 +165,8 @@ class RouteSpec:
             accelerate already offloads is refused.
         holds_all: every weight stays on the device while attached (``resident``): what a
             pipeline-wide budget must count for it.
+        min_extra: bytes the route needs beyond the streaming minimum (``vram_budget="min"`` adds them;
+            the vmm route: its arena's rounding to whole chunks).
         auto_budget: takes ``vram_budget="auto"`` (a streaming route sized from the free memory at attach).
         needs_cuda: the route has no CPU path (``vmm``): on the CPU it refuses with
             ``CudaNotAvailableError`` and the benchmarks skip its rows.
@@ -190,6 +192,7 @@ class RouteSpec:
     holds_all: bool = False
     needs_cuda: bool = False
     auto_budget: bool = True
+    min_extra: Callable[[nn.Module, dict[str, Any]], int] | None = None
     check: Callable[..., None] | None = None
     claims: Callable[[nn.Module], bool] | None = None
     claims_auto_of: str | None = None

@@ -61,6 +61,24 @@ def check(module: Any = None, budget: Any = None, device: Any = None, *, options
         )
 
 
+def _unit_count(module: Any, units: str = "auto") -> int:
+    """An upper bound of the units a plan may have (what the arena's alignment reserve counts)."""
+    from ..units import split_units
+
+    found, _ = split_units(module, "child" if units == "child" else "block")
+    return sum(len(u.params) for u in found) + len(found)
+
+
+def min_extra(module: Any, options: dict[str, Any]) -> int:
+    """The arena's rounding beyond the streaming minimum (``vram_budget="min"``): with the given arena's
+    chunks, or the default ones of a private arena."""
+    from ..streaming.arena import CHUNK_BYTES, HOME_ALIGN, Arena
+
+    arena = options.get("arena")
+    n = _unit_count(module, options.get("units", "auto"))
+    return arena.reserve_bytes(n) if isinstance(arena, Arena) else 2 * CHUNK_BYTES + HOME_ALIGN * n
+
+
 def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     from ..streaming import StreamingEngine, plan, stores
     from ..streaming.arena import ArenaSlots
@@ -75,10 +93,10 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     if not same_device(req.device, arena.device):
         raise ConfigError(f"the Arena is on {arena.device}; this component was asked on {req.device}: give it the "
                           "arena's device")
-    found, leftovers = split_units(req.module, "child" if units == "child" else "block")
+    _, leftovers = split_units(req.module, "child" if units == "child" else "block")
     fixed = plan.buffer_bytes(req.module) + sum(p.numel() * p.element_size() for _, p in leftovers)
-    reserve = arena.reserve_bytes(sum(len(u.params) for u in found) + len(found))
-    budget = arena.plan_budget() if own is None else min(arena.plan_budget(), own + reserve)
+    reserve = arena.reserve_bytes(_unit_count(req.module, units))
+    budget = arena.plan_budget() if own is None else min(arena.plan_budget(), own)
     if budget <= fixed:
         raise BudgetError(
             f"the arena's vram_budget={fmt_bytes(arena.budget)} leaves nothing for {type(req.module).__name__} after "
@@ -89,6 +107,8 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     return chosen, StreamingEngine(req.module, chosen, budget, req.device, measured=req.measured,
                                    store=stores.HostSlabs, loader=req.loader, units=units,
                                    reserve_bytes=reserve,
+                                   reserve_for=("the arena's rounding to whole chunks",
+                                                "or give the Arena a larger vram_budget"),
                                    slots=lambda engine: ArenaSlots(engine, arena, name),
                                    extra_sections=lambda: {"arena": arena.report_section()})
 
@@ -103,6 +123,7 @@ SPEC = RouteSpec(
     device_hook=True,
     needs_cuda=True,
     auto_budget=False,
+    min_extra=min_extra,
     check=check,
 )
 SPECS = (SPEC,)

@@ -34,7 +34,7 @@ import torch
 
 from .. import _native
 from ..budget import fmt_bytes, parse_bytes
-from ..errors import BudgetError, ConfigError, CudaNotAvailableError, OffloadMemoryError
+from ..errors import BudgetError, ConfigError, CudaNotAvailableError, DdoError, OffloadMemoryError
 from ..units import Unit, geometry, span_nbytes, strided_view
 from .slots import TorchSlots
 
@@ -218,6 +218,8 @@ class Arena:
         self.placed_bytes = 0
         self.restored_bytes = 0
         self.peak_mapped_chunks = 0
+        self.peak_device_bytes = 0
+        """The most the arena held at once: chunks mapped plus its members' fixed bytes at that moment."""
         self.closed = False
         self.private = False
         """Made by ``offload(route="vmm", vram_budget=...)`` for one component: closed when it leaves."""
@@ -255,12 +257,14 @@ class Arena:
                 raise ConfigError(f"an Arena lives on one device ({self.device}); the component is on "
                                   f"{member.engine.device}")
             self.members.append(member)
+            member.busy += 1  # attaching: not evicted until its attach is done (ArenaSlots.ready)
             self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
             worst = max(self.members, key=lambda m: m.working_chunks())
             if worst.working_chunks() > self.cap_chunks:
                 fixed = self.fixed_bytes
                 need = worst.working_chunks() * self.chunk_bytes + fixed
                 self.members.remove(member)
+                member.busy -= 1
                 self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
                 raise BudgetError(
                     f"the arena's vram_budget={fmt_bytes(self.budget)} cannot hold {worst.name}'s working set "
@@ -268,6 +272,15 @@ class Arena:
                     f"{fmt_bytes(fixed)} its members would keep outside the arena with {member.name}; give the Arena a "
                     f"vram_budget of at least {fmt_bytes(need)}, or put {member.name} on another route"
                 )
+            # its fixed bytes go to the device next (PyTorch's): the others' chunks make room first
+            try:
+                self.make_room(member, 0)
+            except BaseException:
+                self.members.remove(member)
+                member.busy -= 1
+                self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
+                raise
+            self.note_mapped()
 
     def leave(self, member: Member) -> None:
         with self.lock:
@@ -281,7 +294,7 @@ class Arena:
         """Unmaps chunks of other members (least recently called first) until ``need`` more chunks fit."""
         with self.lock:
             free = self.cap_chunks - self.mapped_chunks()
-            others = [m for m in self.members if m is not member and m.engine.scheduler.depth == 0]  # not running
+            others = [m for m in self.members if m is not member and not m.busy]
             for other in sorted(others, key=lambda m: m.last_call):
                 if free >= need:
                     break
@@ -291,9 +304,13 @@ class Arena:
                     self.evicted_bytes += got * self.chunk_bytes
                 free += got
             if free < need:
+                busy = [m.name for m in self.members if m is not member and m.busy and m.mapped_chunks()]
+                why = (f"; {', '.join(busy)} hold(s) the rest and {'is' if len(busy) == 1 else 'are'} running now (a "
+                       "call in another thread, or still attaching): call the arena's components one at a time"
+                       if busy else "")
                 raise BudgetError(
                     f"the arena ({fmt_bytes(self.budget)}) has no room for {fmt_bytes(need * self.chunk_bytes)} more "
-                    f"of {type(member.engine.module).__name__}'s chunks; give the Arena a larger vram_budget"
+                    f"of {member.name}'s chunks{why}; or give the Arena a larger vram_budget"
                 )
 
     def report_section(self) -> dict[str, Any]:
@@ -304,11 +321,17 @@ class Arena:
         return fig
 
     def note_mapped(self) -> None:
-        self.peak_mapped_chunks = max(self.peak_mapped_chunks, self.mapped_chunks())
+        mapped = self.mapped_chunks()
+        self.peak_mapped_chunks = max(self.peak_mapped_chunks, mapped)
+        self.peak_device_bytes = max(self.peak_device_bytes, mapped * self.chunk_bytes + self.fixed_bytes)
 
     def report(self) -> dict[str, Any]:
         """The arena's figures: budget, chunks, evictions and what they cost, per member."""
-        stats = self.backend.stats()
+        with self.lock:
+            return self._report()
+
+    def _report(self) -> dict[str, Any]:
+        stats = self.backend.stats() if not self.closed else {"creations": 0, "maps": 0}
         return dict(
             device=str(self.device),
             vram_budget=self.budget,
@@ -317,7 +340,7 @@ class Arena:
             cap_bytes=self.cap_chunks * self.chunk_bytes,
             mapped_bytes=self.mapped_chunks() * self.chunk_bytes,
             peak_mapped_bytes=self.peak_mapped_chunks * self.chunk_bytes,
-            peak_device_bytes=self.peak_mapped_chunks * self.chunk_bytes + self.fixed_bytes,
+            peak_device_bytes=self.peak_device_bytes,
             chunks_created=stats["creations"],
             chunk_maps=stats["maps"],
             evictions=self.evictions,
@@ -369,6 +392,8 @@ class Member:
         self.slot_tensor: torch.Tensor | None = None
         self.slots_mapped = False
         self.last_call = 0
+        self.busy = 0
+        """Attaching, or in a call (entry point or a unit called on its own): never evicted then."""
         self._fence: Any = None
         self.restores = 0
         self._placed = False
@@ -407,10 +432,13 @@ class Member:
 
     def place(self, loader: Any) -> None:
         """Packs host copies of the resident units, maps the home range and uploads them."""
+        with self.arena.lock:
+            self._place(loader)
+
+    def _place(self, loader: Any) -> None:
         from .slabs import SlabSet
 
         e = self.engine
-        self.arena.join(self)
         if self.units:
             self.host = SlabSet(self.units, pin=e.device.type == "cuda", ordinal=e.device.index or 0, keep_warm=False)
             self.host.pack(loader)
@@ -428,10 +456,11 @@ class Member:
 
     def build_slots(self) -> torch.Tensor:
         """Maps the slot range; returns a uint8 tensor over it (the slot pool's storage)."""
-        self.slot_base = self.arena.backend.reserve(self.slot_nbytes)
-        self._map_slots()
-        self.slot_tensor = self.arena.backend.tensor(self.slot_base)[: self.slot_nbytes]
-        return self.slot_tensor
+        with self.arena.lock:
+            self.slot_base = self.arena.backend.reserve(self.slot_nbytes)
+            self._map_slots()
+            self.slot_tensor = self.arena.backend.tensor(self.slot_base)[: self.slot_nbytes]
+            return self.slot_tensor
 
     def _map(self, base: int, first: int, count: int) -> None:
         try:
@@ -501,20 +530,26 @@ class Member:
         """Maps what was evicted, copies evicted units back, resumes the slots: the call finds every
         resident weight at its address."""
         with self.arena.lock:
-            self.last_call = next(_clock)
-            restored = False
-            if self.home_base is not None and (self.home_mapped < self.home_chunks or not all(self.loaded)):
-                self._map_home()
-                self._upload_missing()
-                restored = True
-            if self.slot_base is not None and not self.slots_mapped:
-                self._map_slots()
-                self.engine.scheduler.resume()
-                restored = True
-            self.restores += restored
+            self.busy += 1
+            try:
+                self.last_call = next(_clock)
+                restored = False
+                if self.home_base is not None and (self.home_mapped < self.home_chunks or not all(self.loaded)):
+                    self._map_home()
+                    self._upload_missing()
+                    restored = True
+                if self.slot_base is not None and not self.slots_mapped:
+                    self._map_slots()
+                    self.engine.scheduler.resume()
+                    restored = True
+                self.restores += restored
+            except BaseException:
+                self.busy -= 1
+                raise
 
     def call_finished(self) -> None:
         e = self.engine
+        self.busy = max(0, self.busy - 1)
         if e.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(e.device))
@@ -535,9 +570,9 @@ class Member:
             return 0
         self._wait_idle()
         if self.slots_mapped and self.slot_chunks:
-            self.engine.scheduler.suspend()
+            self.engine.scheduler.suspend()  # what is in flight is forgotten; the next call refetches
+            self.slots_mapped = False  # even if the unmap fails part-way: the next call maps them again
             self.arena.backend.unmap(self.slot_base, 0, self.slot_chunks)
-            self.slots_mapped = False
             got += self.slot_chunks
         if got < want and self.home_mapped:
             keep = max(0, self.home_mapped - (want - got))
@@ -547,31 +582,42 @@ class Member:
                     for (_, p), v in zip(self.units[i].params, self.host.host_views[i]):
                         p.data = v
                     self.loaded[i] = False
-            self.arena.backend.unmap(self.home_base, keep, self.home_mapped - keep)
-            got += self.home_mapped - keep
-            self.home_mapped = keep
+            before, self.home_mapped = self.home_mapped, keep  # the units past the cut are unloaded already
+            self.arena.backend.unmap(self.home_base, keep, before - keep)
+            got += before - keep
         return got
 
     # -- detach ------------------------------------------------------------------------------------
     def close(self, orig_device: dict[int, torch.device]) -> None:
-        """Points the resident units back at their own memory, frees both ranges, leaves the arena."""
-        self._wait_idle()
-        if self.host is not None:
-            for i, unit in enumerate(self.units):
-                for (_, p), v in zip(unit.params, self.host.host_views[i]):
-                    p.data = v
-            self.host.release(orig_device, keep_warm=False)
-            self.host = None
-        self.home_views = []
-        self.home = None
-        self.slot_tensor = None
-        for base in (self.home_base, self.slot_base):
-            if base is not None:
-                self.arena.backend.free_range(base)
-        self.home_base = self.slot_base = None
-        self.home_mapped = 0
-        self.slots_mapped = False
-        self.arena.leave(self)
+        """Points the resident units back at their own memory, frees both ranges, leaves the arena.
+        Whatever fails, the member leaves (its state reset); the first error is raised after."""
+        with self.arena.lock:
+            try:
+                self._wait_idle()
+                if self.host is not None:
+                    for i, unit in enumerate(self.units):
+                        for (_, p), v in zip(unit.params, self.host.host_views[i]):
+                            p.data = v
+                    self.host.release(orig_device, keep_warm=False)
+                    self.host = None
+            finally:
+                self.home_views, self.home, self.slot_tensor = [], None, None
+                bases, self.home_base, self.slot_base = (self.home_base, self.slot_base), None, None
+                self.home_mapped, self.slots_mapped, self.loaded, self.busy = 0, False, [], 0
+                error: BaseException | None = None
+                for base in bases:
+                    if base is None:
+                        continue
+                    try:
+                        self.arena.backend.free_range(base)
+                    except DdoError as exc:  # one retry: a deferred error of someone else may have come first
+                        try:
+                            self.arena.backend.free_range(base)
+                        except DdoError:
+                            error = error or exc
+                self.arena.leave(self)
+                if error is not None:
+                    raise error
 
     def figures(self) -> dict[str, Any]:
         return dict(
@@ -600,8 +646,14 @@ class ArenaSlots(TorchSlots):
         slot_bytes = max(engine.layout_bytes) if engine.streamed else 0
         self.member.lay_out(engine.resident_units, n_slots * slot_bytes)
 
+    def before_place(self) -> None:
+        self.member.arena.join(self.member)
+
     def place_resident(self, units: list[Unit], loader: Any) -> None:
         self.member.place(loader)
+
+    def ready(self) -> None:
+        self.member.busy = max(0, self.member.busy - 1)  # attached: evictable between its calls
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return self.member.build_slots()[:nbytes]

@@ -56,6 +56,8 @@ class StreamingEngine:
             ``OffloadHandle.replan``): plan that granularity with those compute times (and link bytes).
         slots: builds the device side for this engine (default ``TorchSlots``; the vmm route's
             ``arena.ArenaSlots``, which also places the resident units).
+        reserve_for: what ``reserve_bytes`` is and what else would work, for the errors (default: a
+            codec's landing buffers).
     """
 
     owns_placement = True
@@ -66,7 +68,8 @@ class StreamingEngine:
                  reserve_bytes: int = 0, link_bytes: plan.LinkBytes | None = None,
                  compute_bytes: plan.ComputeBytes | None = None,
                  extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None,
-                 measured: plan.Measured | None = None, slots: Callable[[StreamingEngine], Any] | None = None):
+                 measured: plan.Measured | None = None, slots: Callable[[StreamingEngine], Any] | None = None,
+                 reserve_for: tuple[str, str] | None = None):
         self.module = module
         self.preset = preset
         self.budget = budget
@@ -76,7 +79,8 @@ class StreamingEngine:
         self.reserve_bytes = reserve_bytes
         self.measured = measured
         self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes,
-                                     link_bytes, compute_bytes, measured)
+                                     link_bytes, compute_bytes, measured,
+                                     **({"reserve_for": reserve_for} if reserve_for else {}))
         self.plan = self.unit_plan.native
         self.granularity = self.unit_plan.granularity
         self.units = self.unit_plan.units
@@ -129,6 +133,7 @@ class StreamingEngine:
         for _, p in self.module.named_parameters():
             self.orig_device[id(p)] = p.device
         try:
+            self.slots.before_place()
             self._place_resident()
             tp = time.perf_counter()
             if self.streamed:
@@ -152,6 +157,7 @@ class StreamingEngine:
                 ) from exc
             raise
         self._attached = True
+        self.slots.ready()
         self.scheduler.start(self.slots.n_slots)
         self.setup_s = time.perf_counter() - t0
 

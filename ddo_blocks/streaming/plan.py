@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import _native
 from ..budget import fmt_bytes
-from ..errors import BudgetError, ConfigError
+from ..errors import BudgetError, ConfigError, PlanError
 from ..routes.spec import Preset
 from ..units import GRANULARITIES, Unit, span_nbytes, split_units, tensor_nbytes
 from . import bandwidth
@@ -84,6 +84,11 @@ def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch
           preset: Preset, link_bytes: LinkBytes | None = None, compute_bytes: ComputeBytes | None = None,
           measured: Measured | None = None) -> UnitPlan:
     units, leftovers = split_units(module, granularity)
+    if not units:
+        raise PlanError(
+            f"{type(module).__name__} has no unit to stream: every weight is shared between its layers or belongs to "
+            "no layer of its own, so nothing can leave the device on its own; use route='resident'"
+        )
     base = sum(tensor_nbytes(p) for _, p in leftovers) + buffer_bytes(module)
     sizes = unit_sizes(units)
     sent = link_bytes(units) if link_bytes is not None else None
@@ -108,27 +113,29 @@ def _plan(module: nn.Module, granularity: str, budget: int | None, device: torch
 
 def choose(module: nn.Module, budget: int | None, device: torch.device, link: float, preset: Preset,
            units: str = "auto", reserve: int = 0, link_bytes: LinkBytes | None = None,
-           compute_bytes: ComputeBytes | None = None, measured: Measured | None = None) -> UnitPlan:
+           compute_bytes: ComputeBytes | None = None, measured: Measured | None = None,
+           reserve_for: tuple[str, str] = ("landing buffers the codec needs", "or pass codec='off'")) -> UnitPlan:
     """Blocks as units, unless the budget needs smaller units or the planner predicts a clearly
     faster step with each block's children as units (smaller slots leave more budget resident).
     ``reserve``: device bytes needed beside the weights and slots (a codec's landing buffers);
     ``link_bytes``: what each unit sends over the link, when not its size (a codec);
     ``compute_bytes``: what each unit's compute is estimated from, when not its size (packed layers);
     ``measured``: what an earlier plan measured (:class:`Measured`): its granularity, planned with
-    those compute times (and link bytes)."""
+    those compute times (and link bytes); ``reserve_for``: what the reserve is and what else would
+    work, for the errors."""
     if reserve and budget is not None:
+        what, instead = reserve_for
         if budget <= reserve:
             raise BudgetError(
-                f"VRAM budget {fmt_bytes(budget)} does not even hold the {fmt_bytes(reserve)} of landing buffers the "
-                f"codec needs; pass a larger vram_budget (vram_budget='min' finds the smallest) or codec='off'"
+                f"VRAM budget {fmt_bytes(budget)} does not even hold the {fmt_bytes(reserve)} of {what}; pass a larger "
+                f"vram_budget (at least {fmt_bytes(reserve)} more than vram_budget='min'), {instead}"
             )
         try:
             return choose(module, budget - reserve, device, link, preset, units, link_bytes=link_bytes,
                           compute_bytes=compute_bytes, measured=measured)
         except BudgetError as exc:
             raise BudgetError(
-                f"{exc} (after the {fmt_bytes(reserve)} of landing buffers the codec needs: add them to the "
-                "budget, or pass codec='off')"
+                f"{exc} (after the {fmt_bytes(reserve)} of {what}: add them to the budget, {instead})"
             ) from exc
     if measured is not None:
         return _plan(module, measured.granularity, budget, device, link, preset, link_bytes, compute_bytes, measured)

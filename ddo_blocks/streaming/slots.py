@@ -46,6 +46,12 @@ class TorchSlots:
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
+    def before_place(self) -> None:
+        """At the start of the attach, before any weight moves."""
+
+    def ready(self) -> None:
+        """At the end of a successful attach."""
+
     def call_started(self) -> None:
         pass
 

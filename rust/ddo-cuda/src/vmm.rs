@@ -227,6 +227,9 @@ impl VmmArena {
             if self.range(base)?.chunks[i].is_some() {
                 continue;
             }
+            if self.created - self.free.len() >= self.max_chunks {
+                return Err(self.cap_reached());
+            }
             let handle = match self.free.pop() {
                 Some(h) => h,
                 None => self.create()?,
@@ -267,12 +270,18 @@ impl VmmArena {
         )
     }
 
+    fn cap_reached(&self) -> CudaError {
+        CudaError::OutOfMemory(format!(
+            "the arena's cap of {} chunks of {} bytes is reached",
+            self.max_chunks, self.chunk
+        ))
+    }
+
+    /// Creates a chunk; only called when none is free and fewer than the cap are mapped, and the
+    /// free ones beyond the cap are released (`unmap`, `set_max_bytes`), so at most the cap exist.
     fn create(&mut self) -> Result<sys::CUmemGenericAllocationHandle> {
         if self.created >= self.max_chunks {
-            return Err(CudaError::OutOfMemory(format!(
-                "the arena's cap of {} chunks of {} bytes is reached",
-                self.max_chunks, self.chunk
-            )));
+            return Err(self.cap_reached());
         }
         let prop = properties(self.dev);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -314,6 +323,9 @@ impl VmmArena {
             self.free.push(handle);
             done += 1;
         }
+        // chunks beyond a cap lowered while they were mapped go back to the driver now
+        let mapped = self.created - self.free.len();
+        self.trim(self.max_chunks.saturating_sub(mapped))?;
         Ok(done)
     }
 
@@ -323,15 +335,18 @@ impl VmmArena {
             return Ok(());
         }
         let _ctx = bind_context(self.ordinal)?;
-        while self.free.len() > keep {
-            let handle = self.free.pop().expect("checked above");
-            self.created -= 1;
+        while let Some(&handle) = self.free.last() {
+            if self.free.len() <= keep {
+                break;
+            }
             // SAFETY: a free chunk is mapped nowhere.
             check(
                 unsafe { sys::cuMemRelease(handle) },
                 "cuMemRelease",
                 "releasing an arena chunk",
             )?;
+            self.free.pop();
+            self.created -= 1;
         }
         Ok(())
     }
