@@ -63,12 +63,16 @@ def _vae_io(vae):
     return lat, dec
 
 
-def test_two_components_share_one_budget_and_get_their_pages_back(flux, vae):
+def _pair(flux, vae):
+    """The transformer's input and output, the VAE's latents and decode, both models' budgets."""
     x = flux_inputs(flux)
     with torch.no_grad():
         ref = flux(**x)[0]
-    lat, dec = _vae_io(vae)
-    bf, bv = budgets(flux), budgets(vae, "block")
+    return x, ref, *_vae_io(vae), budgets(flux), budgets(vae, "block")
+
+
+def test_two_components_share_one_budget_and_get_their_pages_back(flux, vae):
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
     # each fits whole on its own, both together do not
     budget = max(slack(bf["all_resident"], flux), slack(bv["all_resident"], vae)) + 4 * CHUNK
     assert bf["all_resident"] + bv["all_resident"] > budget
@@ -244,11 +248,7 @@ def test_a_mapping_that_fails_at_attach_leaves_the_module_and_the_arena(flux, mo
 
 
 def test_replan_and_remove_in_any_order_keep_the_arena_consistent(flux, vae):
-    x = flux_inputs(flux)
-    with torch.no_grad():
-        ref = flux(**x)[0]
-    lat, dec = _vae_io(vae)
-    bf, bv = budgets(flux), budgets(vae, "block")
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
     arena = host_arena(max(slack(bf["half"], flux), slack(bv["all_resident"], vae)) + 4 * CHUNK)
     hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
     hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")

@@ -204,6 +204,14 @@ impl VmmArena {
         Ok(())
     }
 
+    /// What every map and unmap starts with: a recorded error first, the chunks inside the range, the
+    /// device's primary context bound for the call.
+    fn begin(&mut self, base: u64, first: usize, count: usize) -> Result<crate::ContextGuard> {
+        self.errors.check()?;
+        self.check_chunks(base, first, count)?;
+        bind_context(self.ordinal)
+    }
+
     /// Whether each chunk of the range at `base` is mapped.
     pub fn mapped(&self, base: u64) -> Result<Vec<bool>> {
         let r = self.ranges.get(&base).ok_or_else(|| {
@@ -218,9 +226,7 @@ impl VmmArena {
     /// Errors: [`CudaError::OutOfMemory`] when the cap is reached (nothing more is mapped; chunks
     /// mapped by this call before the error stay mapped) or the driver has no memory.
     pub fn map(&mut self, base: u64, first: usize, count: usize) -> Result<usize> {
-        self.errors.check()?;
-        self.check_chunks(base, first, count)?;
-        let _ctx = bind_context(self.ordinal)?;
+        let _ctx = self.begin(base, first, count)?;
         let chunk = self.chunk;
         let mut done = 0;
         for i in first..first + count {
@@ -303,9 +309,7 @@ impl VmmArena {
     /// No work queued or running on any stream reads or writes those chunks' addresses, and none will
     /// until they are mapped again (a tensor over them is not used before).
     pub unsafe fn unmap(&mut self, base: u64, first: usize, count: usize) -> Result<usize> {
-        self.errors.check()?;
-        self.check_chunks(base, first, count)?;
-        let _ctx = bind_context(self.ordinal)?;
+        let _ctx = self.begin(base, first, count)?;
         let chunk = self.chunk;
         let mut done = 0;
         for i in first..first + count {
