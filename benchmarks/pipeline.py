@@ -21,6 +21,7 @@ import json
 import platform
 import subprocess
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -250,44 +251,144 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{g['decode_s']:.2f}, {g['uploaded_bytes'] / 1e9:.1f} GB)" for i, g in enumerate(rows[-1]["generations"])),
                 flush=True)
             written()
-    for peer in [r for r in asked if r in PEERS]:  # after ours: group offloading is never taken off again
+    peers = [r for r in asked if r in PEERS]
+    last_only = [r for r in peers[:-1] if PEERS[r].undo is None]
+    if last_only:
+        raise SystemExit(f"--routes: {', '.join(last_only)} cannot be taken off a pipeline again; put it last "
+                         "(one such peer per run)")
+    for peer in peers:  # after ours
+        spec = PEERS[peer]
+        steps = min(args.steps, args.slow_peer_steps) if spec.slow else args.steps
         _reset(device)
         t1 = time.perf_counter()
-        PEERS[peer][1](pipe, device)
+        try:
+            note = spec.attach(pipe, device, budgets[0] if budgets else None)
+        except Exception as exc:  # a peer that cannot run here (CUDA only, not installed) is a row that says so
+            rows.append({"pipeline": spec.label, "route": peer, "vram_budget": None,
+                         "error": f"{type(exc).__name__}: {exc}"})
+            written()
+            continue
         setup_s = time.perf_counter() - t1
-        images, gens, peaks = _generations(pipe, device, call, args.generations)
+        try:
+            images, gens, peaks = _generations(pipe, device, {**call, "num_inference_steps": steps}, args.generations)
+        except Exception as exc:  # the peer failed on this pipeline: its row says how, the next peers still run
+            row = {"pipeline": spec.label, "route": peer, "vram_budget": None, "note": note,
+                   "error": f"{type(exc).__name__} while generating: {str(exc)[:300]}"}
+            rows.append(row)
+            try:
+                if spec.undo is not None:
+                    spec.undo(pipe)
+            except Exception as undo_exc:  # the pipeline's state is unknown now: no later row would be fair
+                row["error"] += f"; taking it off failed too ({type(undo_exc).__name__}): the run stops here"
+                written()
+                break
+            written()
+            continue
         for g in gens:
             g["uploaded_bytes"] = None  # the peers do not count what they send
-        rows.append({"pipeline": PEERS[peer][0], "route": peer, "vram_budget": None, "setup_s": setup_s,
+            if steps != args.steps:  # its denoise scaled to the asked steps, said so in the row
+                g["denoise_s"] *= args.steps / steps
+                g["total_s"] = g["encode_s"] + g["denoise_s"] + g["decode_s"]
+        rows.append({"pipeline": spec.label + (f" ({steps} steps run, denoise scaled to {args.steps})"
+                                               if steps != args.steps else ""),
+                     "route": peer, "vram_budget": None, "setup_s": setup_s, "steps_run": steps, "note": note,
                      "generations": gens, **peaks, "host_rss_over_baseline": host_rss() - rss0,
-                     "exact": all(torch.equal(a, b) for a, b in zip(images, refs))})
+                     "exact": all(torch.equal(a, b) for a, b in zip(images, refs)) if steps == args.steps else None})
         print(f"{peer}: " + ", ".join(f"gen{i + 1} {g['total_s']:.2f} s" for i, g in enumerate(gens)), flush=True)
-        if PEERS[peer][2] is not None:
-            PEERS[peer][2](pipe)
+        if spec.undo is not None:
+            spec.undo(pipe)
         written()
     return doc
 
 
-def _model_cpu_offload(pipe: Any, device: torch.device) -> None:
+def _model_cpu_offload(pipe: Any, device: torch.device, budget: int | None) -> str:
     pipe.enable_model_cpu_offload(device=device)
+    return "pipe.enable_model_cpu_offload(device)"
 
 
-def _undo_model_cpu_offload(pipe: Any) -> None:
+def _sequential_cpu_offload(pipe: Any, device: torch.device, budget: int | None) -> str:
+    pipe.enable_sequential_cpu_offload(device=device)
+    return "pipe.enable_sequential_cpu_offload(device)"
+
+
+def _remove_hooks(pipe: Any) -> None:
     pipe.remove_all_hooks()
     pipe.to("cpu")
 
 
-def _group_offload(pipe: Any, device: torch.device) -> None:
+def _group_offload(pipe: Any, device: torch.device, budget: int | None) -> str:
     pipe.enable_group_offload(onload_device=device, offload_type="block_level", num_blocks_per_group=1,
                               use_stream=device.type == "cuda")
+    return "pipe.enable_group_offload(device, offload_type='block_level', num_blocks_per_group=1, use_stream=True)"
 
 
-PEERS: dict[str, tuple[str, Any, Any]] = {
-    "model_cpu_offload": ("diffusers enable_model_cpu_offload()", _model_cpu_offload, _undo_model_cpu_offload),
-    "group_offload": ("diffusers enable_group_offload(block_level, 1 block per group, use_stream)", _group_offload,
-                      None),
+def _ddo(pipe: Any, device: torch.device, budget: int | None) -> str:
+    """The original DDO, component by component as ``offload_pipeline`` splits the same total: the
+    denoiser's share as DDO's resident budget (its automatic policy off), the other streamed
+    components at a resident budget of 0, the small ones moved to the device."""
+    if device.type != "cuda":
+        raise RuntimeError("the original DDO (0.1.0rc2) needs a CUDA device")
+    import os
+
+    import diffusers_dynamic_offloader as ddo
+
+    from ddo_blocks.pipeline import _denoiser, _modules, plan_policies
+
+    modules = _modules(pipe)
+    policies = plan_policies(modules, budget, "auto", {})
+    denoiser = _denoiser(modules)
+    done = []
+    for name, module in modules.items():
+        pol = policies[name]
+        if pol.route == "resident":
+            module.to(device)
+            done.append(f"{name}: .to(device)")
+            continue
+        gib = (pol.vram_budget or 0) / 2**30 if name == denoiser else 0.0
+        env = {**os.environ, "DDO_AUTO_BUDGET_POLICY": "off", "DDO_RESIDENT_MODULE_BUDGET_GB": f"{gib:.6g}"}
+        result = ddo.enable_offload(module, preset="one_shot_fast", component=name,
+                                    execution_device=f"cuda:{device.index or 0}", environ=env)
+        if getattr(result, "should_move_to_execution_device", False):
+            result.module.to(device)
+        done.append(f"{name}: enable_offload(preset='one_shot_fast', resident budget {gib:.3g} GiB, "
+                    f"route {getattr(result, 'route', '?')})")
+    return "; ".join(done)
+
+
+def _mmgp(pipe: Any, device: torch.device, budget: int | None) -> str:
+    """mmgp 3.8.2 without quantization, pinned: its per-model budget is in MB and its documented real
+    use about twice that, so half the total is asked."""
+    if device.type != "cuda":
+        raise RuntimeError("mmgp needs a CUDA device")
+    from mmgp import offload
+
+    mb = int(budget / 2 / 2**20) if budget else 0
+    offload.all(pipe, pinnedMemory=True, quantizeTransformer=False, extraModelsToQuantize=[], budgets=mb,
+                asyncTransfers=True, verboseLevel=0)
+    return f"mmgp.offload.all(pipe, pinnedMemory=True, quantizeTransformer=False, budgets={mb})"
+
+
+@dataclass(frozen=True)
+class Peer:
+    label: str
+    attach: Any
+    """``(pipe, device, the run's first budget) -> what it called``; raises when it cannot run here."""
+    undo: Any = None
+    """Takes it off the pipeline again; ``None``: it stays (the last row of a run)."""
+    slow: bool = False
+    """Runs ``--slow-peer-steps`` steps, its denoise time scaled to the asked steps."""
+
+
+PEERS: dict[str, Peer] = {
+    "model_cpu_offload": Peer("diffusers enable_model_cpu_offload()", _model_cpu_offload, _remove_hooks),
+    "sequential_cpu_offload": Peer("diffusers enable_sequential_cpu_offload()", _sequential_cpu_offload,
+                                   _remove_hooks, slow=True),
+    "group_offload": Peer("diffusers enable_group_offload(block_level, 1 block per group, use_stream)",
+                          _group_offload),
+    "ddo": Peer("DDO 0.1.0rc2 enable_offload per component (one_shot_fast, offload_pipeline's split)", _ddo),
+    "mmgp": Peer("mmgp 3.8.2 offload.all (pinned, no quantization)", _mmgp),
 }
-"""Peer rows: name -> (label, attach, undo or None: the last row of a run)."""
+"""The peer rows, after ours, in the order asked."""
 
 
 def _commit() -> str | None:
@@ -331,7 +432,7 @@ def markdown(doc: dict[str, Any]) -> str:
                     f"{fmt_bytes(r['arena_peak_bytes']) if r.get('arena_peak_bytes') else '-'} | "
                     f"{fmt_bytes(r['peak_driver_used']) if r.get('peak_driver_used') else '-'} | "
                     f"{fmt_bytes(r['host_rss_over_baseline'])} ({r['host_rss_over_baseline'] / weights:.2f}x) | "
-                    f"{'yes' if r['exact'] else 'NO'}") if i == 0 else "| | | | |"
+                    f"{ {True: 'yes', False: 'NO', None: '- (fewer steps)'}[r['exact']] }") if i == 0 else "| | | | |"
             lines.append(f"| {r['pipeline'] if i == 0 else ''} | {budget if i == 0 else ''} | {i + 1} | "
                          f"{g['total_s']:.2f} | {g['encode_s']:.2f} | {g['denoise_s']:.2f} | {g['decode_s']:.2f} | "
                          f"{sent} | {tail} |")
@@ -349,10 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--budgets", default="8,16,24", help="total VRAM budgets (a bare number is GiB), comma-separated")
     p.add_argument("--routes", default="linear,vmm",
-                   help="linear (offload_pipeline's default split), vmm (vmm_fast); peers: model_cpu_offload, "
-                        "group_offload (runs last: it is not removed again)")
+                   help="linear (offload_pipeline's default split), vmm (vmm_fast); peers after them: "
+                        "model_cpu_offload, sequential_cpu_offload, and last (they stay on): group_offload, ddo "
+                        "or mmgp")
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--generations", type=int, default=3, help="generations in a row, each with its own prompt")
+    p.add_argument("--slow-peer-steps", type=int, default=2,
+                   help="steps run by a slow peer (sequential CPU offload), its denoise scaled to --steps")
     p.add_argument("--tiny", action="store_true", help="ddo_blocks' tiny components (CPU, tests)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

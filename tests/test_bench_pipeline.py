@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 def test_pipeline_benchmark_runs_on_the_tiny_components(tmp_path):
     from benchmarks.pipeline import main
@@ -13,16 +15,34 @@ def test_pipeline_benchmark_runs_on_the_tiny_components(tmp_path):
                "--steps", "2", "--generations", "2", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "pipeline.json").read_text())
     resident, linear, vmm, cpu_offload, group = doc["rows"]
-    assert cpu_offload["route"] == "model_cpu_offload" and group["route"] == "group_offload"
-    assert cpu_offload["exact"] and group["exact"] and len(group["generations"]) == 2
     assert rc == 0 and resident["exact"] and linear["exact"]
     assert linear["peak_device_weights"] <= linear["vram_budget"] == 600 * 1024
     assert linear["policies"]["transformer"].startswith("linear")
     assert len(linear["generations"]) == 2 and all(g["denoise_s"] > 0 and g["uploaded_bytes"] > 0
                                                    for g in linear["generations"])
     assert "needs a CUDA device" in vmm["error"]  # the vmm route has no CPU path
+    assert cpu_offload["route"] == "model_cpu_offload" and group["route"] == "group_offload"
+    assert cpu_offload["exact"] and group["exact"] and len(group["generations"]) == 2
     md = (tmp_path / "pipeline.md").read_text()
     assert "| offload_pipeline linear |" in md and "needs a CUDA device" in md
+
+
+def test_the_pipeline_benchmark_s_other_peers(tmp_path):
+    from benchmarks.pipeline import main
+
+    def row(*routes: str) -> dict:
+        main(["--tiny", "--device", "cpu", "--routes", ",".join(routes), "--steps", "2", "--slow-peer-steps", "1",
+              "--generations", "1", "--out", str(tmp_path)])
+        return json.loads((tmp_path / "pipeline.json").read_text())["rows"][1]
+
+    assert "needs a CUDA device" in row("ddo")["error"]  # a peer that cannot run here is a row that says so
+    assert "needs a CUDA device" in row("mmgp")["error"]
+    seq = row("sequential_cpu_offload")
+    # accelerate's sequential offload may fail on the CPU (a TypeError in set_module_tensor_to_device with
+    # this torch): then its row says so; where it runs, one step is run and the denoise scaled to two
+    assert seq.get("error") or (seq["steps_run"] == 1 and seq["exact"] is None and "1 steps run" in seq["pipeline"])
+    with pytest.raises(SystemExit, match="put it last"):
+        main(["--tiny", "--device", "cpu", "--routes", "group_offload,model_cpu_offload", "--out", str(tmp_path)])
 
 
 def test_sdnq_benchmark_runs_on_the_tiny_transformer(tmp_path):
