@@ -214,7 +214,8 @@ def test_policy_forms_are_equivalent():
         ({"denoise": {"vram_budget": "six gigs"}}, "vram_budget='six gigs' is not a size"),
         ({"vae_encoder": "linear", "decode": "resident"},
          "component 'vae' is used by stages 'decode' \\(resident\\) and 'vae_encoder' \\(linear\\)"),
-        ({"preset": "vmm_fast"}, "unknown pipeline preset 'vmm_fast'.*shares one Arena"),
+        ({"preset": "vmm_fast"}, "share one VRAM budget: pass wrap\\(..., vram_budget="),
+        ({"vram_budget": "8GiB"}, "no stage is on it: pass preset='vmm_fast'"),
     ],
 )
 def test_wrap_errors_name_what_would_work(kwargs, match):

@@ -123,3 +123,15 @@ def test_from_pretrained_names_dtype_when_given_torch_dtype(flux_checkpoints):
     with pytest.raises(ddo_blocks.ConfigError, match="takes dtype=, not torch_dtype="):
         ddo_blocks.from_pretrained(FluxTransformer2DModel, flux_checkpoints[0] / "single", device="cpu",
                                    torch_dtype=torch.bfloat16)
+
+
+def test_preset_vmm_fast_on_the_command_line_needs_a_budget_and_cuda():
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ddo_blocks", "run", "--preset", "vmm_fast", "--device", "cpu",
+                               *extra], capture_output=True, text=True)
+
+    out = run()
+    assert out.returncode != 0 and "--preset vmm_fast shares one VRAM budget" in out.stderr + out.stdout
+    out = run("--vram-budget", "1GiB")
+    assert out.returncode != 0 and "route='vmm'" in out.stderr + out.stdout and "needs a CUDA device" in (
+        out.stderr + out.stdout)

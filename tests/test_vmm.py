@@ -207,9 +207,7 @@ def test_modular_stages_share_one_arena():
              for n in ("text_encoder", "text_encoder_2", "transformer", "vae")}
     arena = host_arena(slack(sizes["transformer"], components["transformer"]) + 8 * CHUNK)
     assert sum(sizes.values()) > arena.budget  # they do not all fit at once
-    policy = {"route": "vmm", "arena": arena}
-    blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder={**policy, "vram_budget": "min"},
-                             denoise=policy, decode=policy)
+    blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", preset="vmm_fast", arena=arena)  # every stage on it
     pipe, state = run(blocks, components)
     assert torch.equal(state.get("images"), ref.get("images"))
     assert {m.name for m in arena.members} == {"text_encoder", "text_encoder_2", "transformer", "vae"}

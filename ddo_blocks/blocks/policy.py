@@ -249,9 +249,5 @@ def default_policy(stage: str, preset: str = "auto") -> OffloadPolicy:
     transformer on the route of ``preset`` (the linear route for its presets).
     """
     if preset not in routes.PIPELINE_PRESETS:
-        hint = ""
-        if preset in routes.get("vmm").preset_map:
-            hint = ("; the vmm route shares one Arena between stages: give each stage "
-                    "{'route': 'vmm', 'arena': arena} with arena = ddo_blocks.Arena('16GiB')")
-        raise ConfigError(f"unknown pipeline preset {preset!r}; valid: {', '.join(routes.PIPELINE_PRESETS)}{hint}")
+        raise ConfigError(f"unknown pipeline preset {preset!r}; valid: {', '.join(routes.PIPELINE_PRESETS)}")
     return OffloadPolicy(**routes.PIPELINE_PRESETS[preset][stage_kind(stage)])

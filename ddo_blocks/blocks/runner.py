@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
                    help="pipeline preset: the default policy of every stage not set below (default: auto, "
                         "which here means: " + "; ".join(f"{s} {defaults.describe(s)}" for s in STAGES)
                         + "; docs/blocks.md has the table)")
+    p.add_argument("--vram-budget", default=None, metavar="SIZE",
+                   help="with --preset vmm_fast (or stages on route vmm): the one VRAM budget the stages share, "
+                        "e.g. 16GiB")
     for stage in STAGES:
         flag = stage.replace("_", "-")
         g = p.add_argument_group(f"{stage} stage")
@@ -207,7 +210,13 @@ def run(
     components = load_components(path, dtype=dtype)
     blocks = make_blocks()
     policies = stage_policies(args, components, blocks)
-    wrapped = wrap(blocks, device=args.device, preset=args.preset, **policies)
+    vmm = routes.get("vmm").preset_map
+    budget = getattr(args, "vram_budget", None)
+    if args.preset in vmm and budget is None:
+        raise ConfigError(f"--preset {args.preset} shares one VRAM budget between the stages: pass --vram-budget SIZE "
+                          "(e.g. 16GiB)")
+    wrapped = wrap(blocks, device=args.device, preset=args.preset, **policies,
+                   **({"vram_budget": budget} if budget is not None or args.preset in vmm else {}))
     pipe = wrapped.init_pipeline()
     pipe.update_components(**components)
     validate(pipe)  # every stage's policy against its components, before the first stage runs

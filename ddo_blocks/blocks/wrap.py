@@ -20,6 +20,8 @@ def wrap(
     *,
     device: str | torch.device = "cuda",
     preset: str = "auto",
+    vram_budget: Any = None,
+    arena: Any = None,
     text_encoder: Any = None,
     denoise: Any = None,
     decode: Any = None,
@@ -44,7 +46,10 @@ def wrap(
         device: where the stages compute.
         preset: the pipeline preset whose defaults fill the stages left out (``docs/blocks.md`` has
             the table): ``auto``, a linear preset, ``diffusers_offload_compat``,
-            ``diffusers_leaf_offload_compat``, ``resident`` or ``off``.
+            ``diffusers_leaf_offload_compat``, ``resident``, ``off`` or ``vmm_fast`` (every stage on
+            the vmm route, sharing one arena).
+        vram_budget: with stages on the vmm route, the budget of the one :class:`~ddo_blocks.Arena`
+            they share (made here); or pass ``arena``.
         text_encoder, denoise, decode, **stages: each stage's policy: a route name, a mapping
             (``{"route": "linear", "preset": "one_shot_fast", "vram_budget": "6GiB"}`` plus route options),
             an :class:`OffloadPolicy`, or a mapping from component name to any of those. ``None``: the
@@ -119,8 +124,40 @@ def wrap(
                 f"component {comp!r} is used by stages {', '.join(map(repr, users))} on different devices "
                 f"({', '.join(sorted(places))}); a component lives on one device: give those stages the same device"
             )
+    per_stage = _share_arena(per_stage, vram_budget, arena, device)
     for stage, policies in per_stage.items():
         form = STAGE_FORMS.get(stage, OffloadBlock)
         out.sub_blocks[stage] = form(out.sub_blocks[stage], stage=stage, policy=policies, device=where[stage],
                                      preset=preset)
+    return out
+
+
+def _share_arena(per_stage: dict[str, dict[str, OffloadPolicy]], vram_budget: Any, arena: Any,
+                 device: Any) -> dict[str, dict[str, OffloadPolicy]]:
+    """Gives every vmm policy without an arena of its own the one arena of this pipeline (``arena``,
+    or one of ``vram_budget`` made here)."""
+    from dataclasses import replace
+
+    from ..streaming.arena import Arena
+
+    needing = [(s, c) for s, pols in per_stage.items() for c, p in pols.items()
+               if p.route == "vmm" and "arena" not in p.options]
+    if (vram_budget is not None or arena is not None) and not needing:
+        raise ConfigError("wrap(vram_budget=/arena=) is the arena of the stages on the vmm route, and no stage is on "
+                          "it: pass preset='vmm_fast', or give those stages {'route': 'vmm'}")
+    if not needing:
+        return per_stage
+    if arena is None:
+        if vram_budget is None:
+            raise ConfigError(
+                f"the stages on the vmm route ({', '.join(sorted({s for s, _ in needing}))}) share one VRAM budget: "
+                "pass wrap(..., vram_budget='16GiB') (or arena=ddo_blocks.Arena(...))"
+            )
+        arena = Arena(vram_budget, device)
+    elif not isinstance(arena, Arena):
+        raise ConfigError(f"wrap(arena=) takes a ddo_blocks.Arena, got {type(arena).__name__}")
+    out = {s: dict(pols) for s, pols in per_stage.items()}
+    for stage, comp in needing:
+        pol = out[stage][comp]
+        out[stage][comp] = replace(pol, options={**pol.options, "arena": arena})
     return out

@@ -45,6 +45,10 @@ def _pipeline_presets() -> dict[str, dict[str, dict]]:
     table["resident"] = {"text_encoder": {"route": "resident", "release": True}, "denoise": {"route": "resident"},
                          "decode": {"route": "resident"}}
     table["off"] = {kind: {"route": "off"} for kind in STAGE_KINDS}
+    # one arena for every stage (wrap() makes it from its vram_budget): the text encoders, called
+    # once per image, plan at their minimum; the transformer and the VAE with the whole arena
+    vmm = {"route": "vmm", "preset": "vmm_fast"}
+    table["vmm_fast"] = {"text_encoder": {**vmm, "vram_budget": "min"}, "denoise": dict(vmm), "decode": dict(vmm)}
     return table
 
 
