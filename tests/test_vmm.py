@@ -356,3 +356,17 @@ def test_a_failure_freeing_a_range_still_takes_the_member_out(flux, vae, monkeyp
         assert torch.equal(vae.decode(lat).sample, dec)  # the other member takes the whole arena
     hv.remove()
     arena.close()
+
+
+def test_from_pretrained_onto_an_arena(flux_checkpoints):
+    from diffusers import FluxTransformer2DModel
+
+    root, _, x, ref = flux_checkpoints
+    arena = host_arena(64 << 20)
+    handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, root / "sharded", route="vmm", arena=arena,
+                                        device="cpu")
+    assert handle.route == "vmm" and [m.name for m in arena.members] == [handle.component]
+    with torch.no_grad():
+        assert torch.equal(handle.module(**x)[0], ref)
+    handle.remove()
+    arena.close()
