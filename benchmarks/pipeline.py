@@ -215,15 +215,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     presets = {"linear": "auto", "vmm": "vmm_fast"}
     asked = [r for r in args.routes.split(",") if r]
-    unknown = [r for r in asked if r not in presets and r not in PEERS]
+    ours = [r for r in asked if r.partition("+")[0] in presets]
+    unknown = [r for r in asked if r not in ours and r not in PEERS]
     if unknown:
-        raise SystemExit(f"--routes takes {', '.join([*presets, *PEERS])}, got {', '.join(unknown)}")
-    for route in [r for r in asked if r in presets]:
+        raise SystemExit(f"--routes takes {', '.join([*presets, *PEERS])} (ours with +fixed or +tiered: the "
+                         f"denoiser's codec), got {', '.join(unknown)}")
+    for route in ours:
+        base, _, codec = route.partition("+")
         for budget in budgets:
             _reset(device)
             t1 = time.perf_counter()
+            own = {_denoiser_name(pipe): {"route": base, "codec": codec}} if codec else {}
             try:
-                off = ddo_blocks.offload_pipeline(pipe, vram_budget=budget, device=device, preset=presets[route])
+                off = ddo_blocks.offload_pipeline(pipe, vram_budget=budget, device=device, preset=presets[base], **own)
             except ddo_blocks.DdoError as exc:
                 rows.append({"pipeline": f"offload_pipeline {route}", "route": route, "vram_budget": budget,
                              "error": f"{type(exc).__name__}: {exc}"})
@@ -299,6 +303,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             spec.undo(pipe)
         written()
     return doc
+
+
+def _denoiser_name(pipe: Any) -> str:
+    from ddo_blocks.pipeline import _denoiser, _modules
+
+    return _denoiser(_modules(pipe))
 
 
 def _model_cpu_offload(pipe: Any, device: torch.device, budget: int | None) -> str:
@@ -450,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--budgets", default="8,16,24", help="total VRAM budgets (a bare number is GiB), comma-separated")
     p.add_argument("--routes", default="linear,vmm",
-                   help="linear (offload_pipeline's default split), vmm (vmm_fast); peers after them: "
+                   help="linear (offload_pipeline's default split), vmm (vmm_fast), each with +fixed or +tiered "
+                        "for the denoiser's codec (vmm+tiered); peers after them: "
                         "model_cpu_offload, sequential_cpu_offload, and last (they stay on): group_offload, ddo "
                         "or mmgp")
     p.add_argument("--steps", type=int, default=28)

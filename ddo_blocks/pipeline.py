@@ -215,7 +215,8 @@ def plan_policies(modules: dict[str, nn.Module], budget: int | None, preset: str
 def _arena_policies(modules: dict[str, nn.Module], budget: int | None, preset: str, given: dict[str, Any],
                     where: dict[str, torch.device], dev: torch.device) -> dict[str, Any]:
     """``preset="vmm_fast"``: one :class:`~ddo_blocks.Arena` of ``budget`` for every component not given
-    its own policy; what the given ones keep on the device comes out of the arena's budget. The
+    its own policy, and for those given a vmm policy (``transformer={"route": "vmm", "codec": "tiered"}``);
+    what the others given their own policy keep on the device comes out of the arena's budget. The
     denoiser, called at every step, plans with the whole arena; each other component plans as it would
     on the linear route (resident when small, else its minimum budget): the chunks it holds go to the
     denoiser during the steps, and what the denoiser gives up for it comes back once per image."""
@@ -228,7 +229,8 @@ def _arena_policies(modules: dict[str, nn.Module], budget: int | None, preset: s
             "virtual-memory arena: pass vram_budget= (bytes or a size such as '16GiB')"
         )
     policies = {n: OffloadPolicy.parse(v, default=OffloadPolicy(), where=f"component {n!r}") for n, v in given.items()}
-    outside = sum(_device_bytes(p, modules[n]) for n, p in policies.items() if where.get(n, dev) == dev)
+    joins = {n for n, p in policies.items() if p.route == "vmm" and "arena" not in p.options and where.get(n, dev) == dev}
+    outside = sum(_device_bytes(p, modules[n]) for n, p in policies.items() if where.get(n, dev) == dev and n not in joins)
     if outside >= budget:
         raise BudgetError(
             f"vram_budget={fmt_bytes(budget)} is taken by the components given their own policies "
@@ -236,6 +238,8 @@ def _arena_policies(modules: dict[str, nn.Module], budget: int | None, preset: s
         )
     arena = Arena(budget - outside, dev)
     denoiser = _denoiser(modules)
+    for name in joins:  # a vmm policy of its own (a codec, a budget within the arena) joins the arena
+        policies[name] = replace(policies[name], options={**policies[name].options, "arena": arena})
     for name, module in modules.items():
         if name in policies:
             continue

@@ -11,10 +11,12 @@ import pytest
 def test_pipeline_benchmark_runs_on_the_tiny_components(tmp_path):
     from benchmarks.pipeline import main
 
-    rc = main(["--tiny", "--device", "cpu", "--budgets", "600KiB", "--routes", "linear,vmm,model_cpu_offload,group_offload",
-               "--steps", "2", "--generations", "2", "--out", str(tmp_path)])
+    rc = main(["--tiny", "--device", "cpu", "--budgets", "600KiB", "--routes",
+               "linear,vmm,linear+fixed,model_cpu_offload,group_offload", "--steps", "2", "--generations", "2",
+               "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "pipeline.json").read_text())
-    resident, linear, vmm, cpu_offload, group = doc["rows"]
+    resident, linear, vmm, coded, cpu_offload, group = doc["rows"]
+    assert coded["exact"] and "codec=fixed" in coded["policies"]["transformer"]
     assert rc == 0 and resident["exact"] and linear["exact"]
     assert linear["peak_device_weights"] <= linear["vram_budget"] == 600 * 1024
     assert linear["policies"]["transformer"].startswith("linear")

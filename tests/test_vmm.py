@@ -135,7 +135,8 @@ def test_the_cpu_without_a_test_arena_is_refused(flux):
     ({"arena": "big"}, ddo_blocks.ConfigError, "arena= takes a ddo_blocks.Arena"),
     ({}, ddo_blocks.ConfigError, "route='vmm' needs a VRAM budget"),
     ({"vram_budget": 1 << 40, "arena": "ARENA"}, ddo_blocks.ConfigError, "at most the arena's"),
-    ({"arena": "ARENA", "codec": "fixed"}, ddo_blocks.ConfigError, "does not take codec"),
+    ({"arena": "ARENA", "codec": "gzip"}, ddo_blocks.ConfigError, "is not a codec"),
+    ({"arena": "ARENA", "offload_type": "leaf_level"}, ddo_blocks.ConfigError, "does not take offload_type"),
     ({"vram_budget": "auto"}, ddo_blocks.ConfigError, "'auto' is not built for route 'vmm'"),
 ])
 def test_bad_options_are_refused_and_leave_the_module(flux, kwargs, error, match):
@@ -369,4 +370,27 @@ def test_from_pretrained_onto_an_arena(flux_checkpoints):
     with torch.no_grad():
         assert torch.equal(handle.module(**x)[0], ref)
     handle.remove()
+    arena.close()
+
+
+@pytest.mark.parametrize("codec", ["fixed", "tiered"])
+def test_coded_units_on_a_shared_arena(vae, codec):
+    """Compressed transfer on the vmm route: the transformer's streamed bf16 units held and sent coded,
+    both members exact."""
+    from ddo_blocks.tiny import tiny_flux_transformer
+
+    flux = tiny_flux_transformer(dtype=torch.bfloat16)
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
+    arena = host_arena(max(slack(bf["half"], flux), slack(bv["all_resident"], vae)) + 4 * CHUNK)
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", codec=codec, component="transformer")
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
+    rep = hf.report()
+    assert rep["codec"]["codec"] == codec and rep["codec"]["coded_units"] > 0
+    assert rep["codec"]["host_bytes"] < rep["codec"]["raw_bytes"]  # fewer bytes held and sent
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(flux(**x)[0], ref)
+            assert torch.equal(vae.decode(lat).sample, dec)
+    hv.remove()
+    hf.remove()
     arena.close()

@@ -18,7 +18,8 @@ PRESETS = (
         "vmm_fast",
         "weights in a CUDA virtual-memory arena shared by the components given the same Arena (one "
         "vram_budget for all): each call may use the chunks the others keep resident, which return at the "
-        "same addresses on their next call; streaming as one_shot_fast (pinned slabs: host RAM ~1.0x weights)",
+        "same addresses on their next call; streaming as one_shot_fast (pinned slabs: host RAM ~1.0x weights; "
+        "codec='fixed'/'tiered' as on the linear route)",
         HostMode.PINNED_SLABS,
     ),
 )
@@ -80,22 +81,23 @@ def min_extra(module: Any, options: dict[str, Any]) -> int:
 
 
 def factory(req: EngineRequest) -> tuple[Preset, Engine]:
-    from ..streaming import StreamingEngine, plan, stores
-    from ..streaming.arena import ArenaSlots
+    from ..streaming import StreamingEngine, coded, plan, stores
+    from ..streaming.arena import ArenaSlots, same_device
     from ..units import split_units
 
     units = plan.check_granularity(req.options.pop("units", "auto"))
+    codec = req.options.pop("codec", "off")
     arena, own = _arena(req)
-    refuse_unknown("vmm", req.options, ("arena", "units"))
+    refuse_unknown("vmm", req.options, ("arena", "units", "codec"))
     chosen = SPEC.presets[0] if req.preset == "auto" else SPEC.preset_map[req.preset]
-    from ..streaming.arena import same_device
-
+    coded.check_codec(codec, chosen)
     if not same_device(req.device, arena.device):
         raise ConfigError(f"the Arena is on {arena.device}; this component was asked on {req.device}: give it the "
                           "arena's device")
     _, leftovers = split_units(req.module, "child" if units == "child" else "block")
-    fixed = plan.buffer_bytes(req.module) + sum(p.numel() * p.element_size() for _, p in leftovers)
-    reserve = arena.reserve_bytes(_unit_count(req.module, units))
+    landing = coded.reserve_bytes(req.module, codec, req.device)  # PyTorch's, outside the arena, like the leftovers
+    fixed = plan.buffer_bytes(req.module) + sum(p.numel() * p.element_size() for _, p in leftovers) + landing
+    reserve = arena.reserve_bytes(_unit_count(req.module, units)) + landing
     budget = arena.plan_budget() if own is None else min(arena.plan_budget(), own)
     if budget <= fixed:
         raise BudgetError(
@@ -104,12 +106,13 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
             "vram_budget"
         )
     name = req.component or type(req.module).__name__
+    what = "the arena's rounding to whole chunks" + (" and the codec's landing buffers" if landing else "")
     return chosen, StreamingEngine(req.module, chosen, budget, req.device, measured=req.measured,
-                                   store=stores.HostSlabs, loader=req.loader, units=units,
-                                   reserve_bytes=reserve,
-                                   reserve_for=("the arena's rounding to whole chunks",
-                                                "or give the Arena a larger vram_budget"),
-                                   slots=lambda engine: ArenaSlots(engine, arena, name),
+                                   store=coded.CodedSlabs.for_codec(codec) if codec != "off" else stores.HostSlabs,
+                                   loader=req.loader, units=units, reserve_bytes=reserve,
+                                   link_bytes=coded.link_bytes_estimate(codec) if codec != "off" else None,
+                                   reserve_for=(what, "or give the Arena a larger vram_budget"),
+                                   slots=lambda engine: ArenaSlots(engine, arena, name, extra_fixed=landing),
                                    extra_sections=lambda: {"arena": arena.report_section()})
 
 
@@ -118,7 +121,7 @@ SPEC = RouteSpec(
     summary="one VRAM budget for several components through a CUDA virtual-memory arena (pages move between phases)",
     presets=PRESETS,
     factory=factory,
-    options=("arena", "units"),
+    options=("arena", "units", "codec"),
     streams=True,
     device_hook=True,
     needs_cuda=True,

@@ -637,11 +637,11 @@ class ArenaSlots(TorchSlots):
 
     places_resident = True
 
-    def __init__(self, engine: Any, arena: Arena, name: str):
+    def __init__(self, engine: Any, arena: Arena, name: str, extra_fixed: int = 0):
         super().__init__(engine.device)
         self.engine = engine
         self.member = Member(arena, engine, name)
-        self.member.fixed_bytes = engine.unit_plan.base_bytes
+        self.member.fixed_bytes = engine.unit_plan.base_bytes + extra_fixed  # a codec's landing buffers too
         n_slots = max(1, min(engine.plan.slots, len(engine.streamed))) if engine.streamed else 0
         slot_bytes = max(engine.layout_bytes) if engine.streamed else 0
         self.member.lay_out(engine.resident_units, n_slots * slot_bytes)
