@@ -394,3 +394,99 @@ def test_coded_units_on_a_shared_arena(vae, codec):
     hv.remove()
     hf.remove()
     arena.close()
+
+
+def test_a_failed_fetch_at_a_restore_keeps_every_slot():
+    """A fetch that fails while a member's slots come back (a deferred CUDA error, say): that call raises
+    the DdoError, and the next call finds both slots and gives the right output."""
+    a, b = _net(seed=0), _net(seed=1)
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        ref = b(x)
+    unit = 256 * 257 * 4
+    arena = host_arena(8 * unit + 2 * CHUNK + 64 * CHUNK)
+    hb = ddo_blocks.offload(b, route="vmm", arena=arena, device="cpu", component="b", vram_budget=3 * unit)
+    ha = ddo_blocks.offload(a, route="vmm", arena=arena, device="cpu", component="a")
+    store, sched = hb.engine.store, hb.engine.scheduler
+    real, fail = store.fetch, {"on": False}
+
+    def flaky(transport, u, slot, dst):
+        if fail["on"]:
+            fail["on"] = False
+            raise ddo_blocks.CudaError("deferred error (test)")
+        real(transport, u, slot, dst)
+
+    store.fetch = flaky
+    for _ in range(3):
+        with torch.no_grad():
+            a(x)  # a takes b's slots
+        fail["on"] = True
+        with pytest.raises(ddo_blocks.CudaError, match="deferred error"):
+            with torch.no_grad():
+                b(x)
+        assert len(sched._free) + len(sched._inflight) == hb.engine.slots.n_slots
+        with torch.no_grad():
+            assert torch.equal(b(x), ref)
+    ha.remove()
+    hb.remove()
+    arena.close()
+
+
+def test_a_member_is_not_evicted_before_its_first_prefetches_are_queued(monkeypatch):
+    import threading
+
+    from ddo_blocks.streaming import engine as eng
+
+    a, b = _net(seed=0), _net(seed=1)
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        ref = b(x)
+    unit = 256 * 257 * 4
+    arena = host_arena(8 * unit + 2 * CHUNK + 64 * CHUNK)
+    ha = ddo_blocks.offload(a, route="vmm", arena=arena, device="cpu", component="a")  # all resident
+    real_fetch, armed, errors = eng.StreamingEngine.fetch, {"on": True}, []
+
+    def fetch(self, u, slot):  # inside b's first prefetches: another thread calls a meanwhile
+        real_fetch(self, u, slot)
+        if self.module is b and armed["on"] and self._attached:
+            armed["on"] = False
+
+            def call_a():
+                try:
+                    with torch.no_grad():
+                        a(x)
+                except ddo_blocks.BudgetError as exc:  # refused: b is still attaching
+                    errors.append(str(exc))
+
+            t = threading.Thread(target=call_a)
+            t.start()
+            t.join()
+
+    monkeypatch.setattr(eng.StreamingEngine, "fetch", fetch)
+    hb = ddo_blocks.offload(b, route="vmm", arena=arena, device="cpu", component="b", vram_budget=3 * unit)
+    monkeypatch.undo()
+    assert not armed["on"] and errors and "b hold(s) the rest" in errors[0]
+    with torch.no_grad():
+        assert torch.equal(b(x), ref)
+    hb.remove()
+    ha.remove()
+    arena.close()
+
+
+def test_a_component_checked_before_it_joins_is_left_room():
+    """The vmm route's check tells the arena a component that will join: one that plans with the whole
+    arena before it leaves that component's fixed bytes free, so the later join is not refused."""
+    from ddo_blocks.blocks import OffloadPolicy
+
+    a, late = _net(seed=0), _net(seed=1)
+    late.register_buffer("table", torch.zeros(64 * 1024))  # 256 KiB outside the arena
+    unit = 256 * 257 * 4
+    arena = host_arena(8 * unit + 2 * CHUNK + 8 * CHUNK)
+    OffloadPolicy(route="vmm", options={"arena": arena}).check(torch.device("cpu"), late, "late")
+    assert arena.expected["late"] >= 64 * 1024 * 4
+    ha = ddo_blocks.offload(a, route="vmm", arena=arena, device="cpu", component="a")
+    hl = ddo_blocks.offload(late, route="vmm", arena=arena, device="cpu", component="late", vram_budget="min")
+    assert arena.expected == {} and arena.report()["peak_device_bytes"] <= arena.budget
+    hl.remove()
+    ha.remove()
+    arena.close()

@@ -124,7 +124,7 @@ def wrap(
                 f"component {comp!r} is used by stages {', '.join(map(repr, users))} on different devices "
                 f"({', '.join(sorted(places))}); a component lives on one device: give those stages the same device"
             )
-    per_stage = _share_arena(per_stage, vram_budget, arena, device)
+    per_stage = _share_arena(per_stage, vram_budget, arena, device, where)
     for stage, policies in per_stage.items():
         form = STAGE_FORMS.get(stage, OffloadBlock)
         out.sub_blocks[stage] = form(out.sub_blocks[stage], stage=stage, policy=policies, device=where[stage],
@@ -132,16 +132,30 @@ def wrap(
     return out
 
 
+LATE_JOIN_HEADROOM = 64 << 20
+"""What an arena made by ``wrap`` keeps out of the plans: its decode stage's VAE joins after the
+denoiser planned, and the VAE's buffers and weights in no unit land outside the arena."""
+
+
 def _share_arena(per_stage: dict[str, dict[str, OffloadPolicy]], vram_budget: Any, arena: Any,
-                 device: Any) -> dict[str, dict[str, OffloadPolicy]]:
+                 device: Any, where: dict[str, Any]) -> dict[str, dict[str, OffloadPolicy]]:
     """Gives every vmm policy without an arena of its own the one arena of this pipeline (``arena``,
-    or one of ``vram_budget`` made here)."""
+    or one of ``vram_budget`` made here), on the pipeline's device; a stage on another device needs
+    an arena of its own there."""
     from dataclasses import replace
 
     from ..streaming.arena import Arena
 
     needing = [(s, c) for s, pols in per_stage.items() for c, p in pols.items()
                if p.route == "vmm" and "arena" not in p.options]
+    here = resolve_device(device) if needing else None
+    for s, _ in needing:
+        if resolve_device(where[s]) != here:
+            raise ConfigError(
+                f"stage {s!r} is on {where[s]} on the vmm route, and the pipeline's arena is on {here}: give that "
+                f"stage an arena of its own there ({{'route': 'vmm', 'arena': ddo_blocks.Arena('8GiB', "
+                f"device='{where[s]}')}}), or another route"
+            )
     if (vram_budget is not None or arena is not None) and not needing:
         raise ConfigError("wrap(vram_budget=/arena=) is the arena of the stages on the vmm route, and no stage is on "
                           "it: pass preset='vmm_fast', or give those stages {'route': 'vmm'}")
@@ -153,7 +167,7 @@ def _share_arena(per_stage: dict[str, dict[str, OffloadPolicy]], vram_budget: An
                 f"the stages on the vmm route ({', '.join(sorted({s for s, _ in needing}))}) share one VRAM budget: "
                 "pass wrap(..., vram_budget='16GiB') (or arena=ddo_blocks.Arena(...))"
             )
-        arena = Arena(vram_budget, device)
+        arena = Arena(vram_budget, device, headroom=LATE_JOIN_HEADROOM)
     elif not isinstance(arena, Arena):
         raise ConfigError(f"wrap(arena=) takes a ddo_blocks.Arena, got {type(arena).__name__}")
     out = {s: dict(pols) for s, pols in per_stage.items()}

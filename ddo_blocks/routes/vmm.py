@@ -50,10 +50,29 @@ def _arena(req: EngineRequest) -> tuple[Any, int | None]:
     return arena, None
 
 
+def _fixed_bytes(module: Any, units: str, codec: str, device: Any) -> int:
+    """What the component keeps on the device outside the arena: buffers, the weights in no unit and a
+    codec's landing buffers (all PyTorch's)."""
+    from ..streaming import coded, plan
+    from ..units import split_units
+
+    _, leftovers = split_units(module, "child" if units == "child" else "block")
+    landing = coded.reserve_bytes(module, codec, device) if codec in coded.CODECS else 0
+    return plan.buffer_bytes(module) + sum(p.numel() * p.element_size() for _, p in leftovers) + landing
+
+
 def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
-          **_: Any) -> None:
-    """Refuses the CPU (without a test arena) before anything moves."""
-    if getattr(device, "type", "cuda") != "cuda" and (options or {}).get("arena") is None:
+          name: str | None = None, **_: Any) -> None:
+    """Refuses the CPU (without a test arena) before anything moves; tells the arena a component that
+    will join it, so that members planning before it leave its fixed bytes free."""
+    from ..streaming.arena import Arena
+
+    arena = (options or {}).get("arena")
+    if isinstance(arena, Arena) and module is not None and name:
+        opts = options or {}
+        arena.expect(name, _fixed_bytes(module, opts.get("units", "auto"), opts.get("codec", "off"),
+                                        device or arena.device))
+    if getattr(device, "type", "cuda") != "cuda" and arena is None:
         from ..errors import CudaNotAvailableError
 
         raise CudaNotAvailableError(
@@ -83,7 +102,6 @@ def min_extra(module: Any, options: dict[str, Any]) -> int:
 def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     from ..streaming import StreamingEngine, coded, plan, stores
     from ..streaming.arena import ArenaSlots, same_device
-    from ..units import split_units
 
     units = plan.check_granularity(req.options.pop("units", "auto"))
     codec = req.options.pop("codec", "off")
@@ -94,18 +112,17 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     if not same_device(req.device, arena.device):
         raise ConfigError(f"the Arena is on {arena.device}; this component was asked on {req.device}: give it the "
                           "arena's device")
-    _, leftovers = split_units(req.module, "child" if units == "child" else "block")
     landing = coded.reserve_bytes(req.module, codec, req.device)  # PyTorch's, outside the arena, like the leftovers
-    fixed = plan.buffer_bytes(req.module) + sum(p.numel() * p.element_size() for _, p in leftovers) + landing
+    fixed = _fixed_bytes(req.module, units, codec, req.device)
     reserve = arena.reserve_bytes(_unit_count(req.module, units)) + landing
-    budget = arena.plan_budget() if own is None else min(arena.plan_budget(), own)
+    name = req.component or type(req.module).__name__
+    budget = arena.plan_budget(name) if own is None else min(arena.plan_budget(name), own)
     if budget <= fixed:
         raise BudgetError(
             f"the arena's vram_budget={fmt_bytes(arena.budget)} leaves nothing for {type(req.module).__name__} after "
             f"the {fmt_bytes(arena.fixed_bytes)} its other members keep outside the arena; give the Arena a larger "
             "vram_budget"
         )
-    name = req.component or type(req.module).__name__
     what = "the arena's rounding to whole chunks" + (" and the codec's landing buffers" if landing else "")
     return chosen, StreamingEngine(req.module, chosen, budget, req.device, measured=req.measured,
                                    store=coded.CodedSlabs.for_codec(codec) if codec != "off" else stores.HostSlabs,

@@ -182,6 +182,10 @@ class Arena:
             (buffers, weights in no unit). Activations come on top, as on every route.
         device: ``cuda`` or ``cuda:N``.
         chunk_bytes: physical chunk size (rounded up to the device's granularity).
+        headroom: bytes kept out of the plans for components that join after the one planning with the
+            whole arena (their buffers and the weights in no unit land outside the arena): attach that
+            component last, or leave some headroom (``wrap`` leaves 64 MiB: its decode stage joins after
+            the denoiser). Components checked before they attach (``expect``) are counted exactly.
 
     Pass it to ``offload(module, route="vmm", arena=arena)`` for each component, or let
     ``offload_pipeline(pipe, preset="vmm_fast", vram_budget=...)`` make one for a whole pipeline. A
@@ -193,7 +197,7 @@ class Arena:
     """
 
     def __init__(self, vram_budget: int | str, device: str | torch.device = "cuda", *,
-                 chunk_bytes: int = CHUNK_BYTES, _backend: Any = None):
+                 chunk_bytes: int = CHUNK_BYTES, headroom: int | str = 0, _backend: Any = None):
         from ..api import resolve_device
 
         budget = parse_bytes(vram_budget, what="vram_budget")
@@ -207,6 +211,9 @@ class Arena:
                 "use route='linear' on the CPU"
             )
         self.budget = budget
+        self.headroom = parse_bytes(headroom, what="headroom") or 0
+        self.expected: dict[str, int] = {}
+        """Fixed bytes of components checked for this arena (``expect``) and not joined yet."""
         self.lock = threading.RLock()
         self.members: list[Member] = []
         if _backend is None:
@@ -230,10 +237,19 @@ class Arena:
         """What the members keep on the device outside the arena (torch-allocated, never evicted)."""
         return sum(m.fixed_bytes for m in self.members)
 
-    def plan_budget(self) -> int:
+    def plan_budget(self, name: str = "") -> int:
         """The budget a new member plans its weights with (its own fixed bytes included, as every
-        plan counts them): the whole budget less what the other members keep outside the arena."""
-        return self.budget - self.fixed_bytes
+        plan counts them): the whole budget less what the other members keep outside the arena, what
+        the components expected to join will keep there, and the headroom."""
+        expected = sum(b for n, b in self.expected.items() if n != name)
+        return self.budget - self.fixed_bytes - expected - self.headroom
+
+    def expect(self, name: str, fixed_bytes: int) -> None:
+        """A component that will join (checked before the pipeline runs): members that plan before it
+        leave its fixed bytes free."""
+        with self.lock:
+            if not any(m.name == name for m in self.members):
+                self.expected[name] = fixed_bytes
 
     def reserve_bytes(self, n_units: int) -> int:
         """What a member's plan leaves aside for rounding: its two ranges to whole chunks, its units
@@ -257,6 +273,7 @@ class Arena:
                 raise ConfigError(f"an Arena lives on one device ({self.device}); the component is on "
                                   f"{member.engine.device}")
             self.members.append(member)
+            self.expected.pop(member.name, None)
             member.busy += 1  # attaching: not evicted until its attach is done (ArenaSlots.ready)
             self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
             worst = max(self.members, key=lambda m: m.working_chunks())
@@ -469,7 +486,8 @@ class Member:
             raise OffloadMemoryError(
                 f"out of GPU memory mapping {count} chunk(s) of {fmt_bytes(self.chunk)} for {self.name} in the arena "
                 f"({fmt_bytes(self.arena.budget)} on {self.arena.device}): the device has less free memory than the "
-                f"arena's budget; free GPU memory or give the Arena a smaller vram_budget ({exc})"
+                f"arena's budget (or the arena's own cap refused, after an earlier failure); free GPU memory or give "
+                f"the Arena a smaller vram_budget ({exc})"
             ) from exc
 
     def _map_home(self) -> None:
@@ -549,19 +567,23 @@ class Member:
 
     def call_finished(self) -> None:
         e = self.engine
-        self.busy = max(0, self.busy - 1)
-        if e.device.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(e.device))
-            self._fence = ev
+        with self.arena.lock:  # the fence of this call is in place before it can be evicted
+            if e.device.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(e.device))
+                self._fence = ev
+            self.busy = max(0, self.busy - 1)
 
     def _wait_idle(self) -> None:
         """This member's last call and every copy queued for it are done (its own events and stream)."""
         if self._fence is not None:
             self._fence.synchronize()
+        transport = self.engine.transport
+        if transport is not None:
+            transport.drain()  # its copies and, with a codec, the decodes into the slots
         stream = self.engine._copy_stream
         if stream is not None:
-            stream.synchronize()
+            stream.synchronize()  # the restores (torch copies on the copy stream)
 
     def evict(self, want: int) -> int:
         """Unmaps up to ``want`` chunks (slots first, then the home range's tail); returns how many."""
@@ -593,14 +615,13 @@ class Member:
         Whatever fails, the member leaves (its state reset); the first error is raised after."""
         with self.arena.lock:
             try:
+                self._park_resident()  # nothing points into the ranges from here, whatever fails
                 self._wait_idle()
                 if self.host is not None:
-                    for i, unit in enumerate(self.units):
-                        for (_, p), v in zip(unit.params, self.host.host_views[i]):
-                            p.data = v
                     self.host.release(orig_device, keep_warm=False)
                     self.host = None
             finally:
+                self._park_resident()
                 self.home_views, self.home, self.slot_tensor = [], None, None
                 bases, self.home_base, self.slot_base = (self.home_base, self.slot_base), None, None
                 self.home_mapped, self.slots_mapped, self.loaded, self.busy = 0, False, [], 0
@@ -618,6 +639,14 @@ class Member:
                 self.arena.leave(self)
                 if error is not None:
                     raise error
+
+    def _park_resident(self) -> None:
+        """Points every resident unit's parameters at its host copy (always valid while it exists)."""
+        if self.host is None or not self.host.host_views:
+            return
+        for i, unit in enumerate(self.units):
+            for (_, p), v in zip(unit.params, self.host.host_views[i]):
+                p.data = v
 
     def figures(self) -> dict[str, Any]:
         return dict(

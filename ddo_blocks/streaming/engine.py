@@ -157,8 +157,8 @@ class StreamingEngine:
                 ) from exc
             raise
         self._attached = True
-        self.slots.ready()
         self.scheduler.start(self.slots.n_slots)
+        self.slots.ready()  # evictable from here: its first prefetches are queued
         self.setup_s = time.perf_counter() - t0
 
     def _place_resident(self) -> None:

@@ -229,9 +229,13 @@ class Scheduler:
             return
         while self._free:
             u = self.sched[self._next]
-            self._next = (self._next + 1) % len(self.sched)
             slot = self._free.popleft()
-            self.pipeline.fetch(u, slot)
+            try:
+                self.pipeline.fetch(u, slot)
+            except BaseException:
+                self._free.appendleft(slot)  # a failed fetch keeps its slot (the next topup retries it)
+                raise
+            self._next = (self._next + 1) % len(self.sched)
             self._inflight.append((u, slot))
 
     def _take_inflight(self, u: int) -> int | None:
