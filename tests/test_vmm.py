@@ -421,9 +421,8 @@ def test_a_failed_fetch_at_a_restore_keeps_every_slot():
         with torch.no_grad():
             a(x)  # a takes b's slots
         fail["on"] = True
-        with pytest.raises(ddo_blocks.CudaError, match="deferred error"):
-            with torch.no_grad():
-                b(x)
+        with pytest.raises(ddo_blocks.CudaError, match="deferred error"), torch.no_grad():
+            b(x)
         assert len(sched._free) + len(sched._inflight) == hb.engine.slots.n_slots
         with torch.no_grad():
             assert torch.equal(b(x), ref)
