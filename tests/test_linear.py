@@ -423,3 +423,61 @@ def test_a_users_wrapper_of_forward_survives_offloading_twice(flux):
         flux(**x)
     assert seen == [1], "the user's wrapper was dropped"
     handle.remove()
+
+
+def test_a_unit_called_by_hand_from_another_thread_waits_for_the_running_call(flux):
+    """Thread A runs the component; thread B calls one of its streamed blocks by hand meanwhile: B waits
+    for A's call to finish (one call at a time per component) and both get the right values."""
+    import threading
+
+    x = flux_inputs(flux)
+    block = flux.single_transformer_blocks[0]
+    seen = {}
+
+    def capture(mod, args, kwargs, out):
+        seen.setdefault("io", (args, kwargs, out))
+
+    h = block.register_forward_hook(capture, with_kwargs=True)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    h.remove()
+    bargs, bkwargs, bref = seen["io"]
+    handle = ddo_blocks.offload(flux, preset="one_shot_fast", vram_budget=budgets(flux)["all_streamed"], device="cpu",
+                                units="block")
+    order, inside, go_on = [], threading.Event(), threading.Event()
+
+    def hold(mod, args):  # inside A's call: let B try, then finish
+        if "a" not in order:
+            order.append("a")
+            inside.set()
+            go_on.wait(2.0)
+            order.append("a done")
+
+    h = flux.transformer_blocks[0].register_forward_pre_hook(hold)
+    out = {}
+
+    def run_a():
+        with torch.no_grad():
+            out["a"] = flux(**x)[0]
+
+    def run_b():
+        inside.wait()
+        with torch.no_grad():
+            out["b"] = block(*bargs, **bkwargs)
+        order.append("b")
+
+    ta, tb = threading.Thread(target=run_a), threading.Thread(target=run_b)
+    ta.start()
+    tb.start()
+    inside.wait()
+    threading.Event().wait(0.2)  # B is now blocked on the lock, not running inside A's call
+    go_on.set()
+    ta.join()
+    tb.join()
+    h.remove()
+    assert order == ["a", "a done", "b"]
+    assert torch.equal(out["a"], ref)
+    expect = bref[0] if isinstance(bref, tuple) else bref
+    got = out["b"][0] if isinstance(out["b"], tuple) else out["b"]
+    assert torch.equal(got, expect)
+    handle.remove()

@@ -127,6 +127,7 @@ class Scheduler:
         self.depth = 0
         self.active = False
         self._solo: int | None = None  # the streamed unit called on its own (outside an entry point), if any
+        self._owner: int | None = None  # the thread running a call or a solo unit (it holds the lock)
         self._hooks: list[Any] = []
         self._wrapped: list[tuple[str, Any, Any]] = []
         self.sched: list[int] = list(range(len(streamed)))
@@ -252,12 +253,14 @@ class Scheduler:
 
     def _make_pre(self, u: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if self.depth == 0 and self.active and self._solo is None:
+            me = threading.get_ident()
+            if self.active and self._owner != me:
                 # the unit is called on its own, outside the component's entry points (vae.decoder(...),
-                # a block called by hand): it takes the lock and the route's per-call checks too; the
-                # post-hook (always called, even when this one raises) gives them back
+                # a block called by hand), or from a thread that is not running this component's call:
+                # it takes the lock (waiting for another thread's call) and the route's per-call checks
+                # too; the post-hook (always called, even when this one raises) gives them back
                 self.lock.acquire()
-                self._solo = u
+                self._solo, self._owner = u, me
                 self.pipeline.call_started()
             if torch.is_grad_enabled() and (_any_requires_grad((args, kwargs))
                                             or any(p.requires_grad for _, p in self.streamed[u].params)):
@@ -280,8 +283,8 @@ class Scheduler:
             try:
                 self.unit_end(u)
             finally:
-                if self._solo == u:
-                    self._solo = None
+                if self._solo == u and self._owner == threading.get_ident():
+                    self._solo = self._owner = None
                     try:
                         self.pipeline.call_finished()
                     finally:
@@ -357,10 +360,12 @@ class Scheduler:
         self.depth += 1
         if self.depth > 1:
             return
+        self._owner = threading.get_ident()  # its units' hooks run in this thread without taking the lock again
         try:
             self.pipeline.call_started()
         except BaseException:
             self.depth -= 1
+            self._owner = None
             raise
         if self._running is not None and self.streamed[self._running[0]].module is not self.module:
             self.unit_end(self._running[0])  # left open by an interrupted call (the root may be a unit)
@@ -381,6 +386,7 @@ class Scheduler:
         self.depth -= 1
         if self.depth > 0:
             return
+        self._owner = None
         if self._running is not None:
             self.unit_end(self._running[0])
         if self._calibrating:
