@@ -489,3 +489,26 @@ def test_a_component_checked_before_it_joins_is_left_room():
     hl.remove()
     ha.remove()
     arena.close()
+
+
+def test_a_private_arena_keeps_no_host_copy_of_its_resident_units(flux):
+    """offload(route="vmm", vram_budget=...) alone: nothing else can take its chunks, so its resident
+    units live only in the arena (host RAM as on the linear route); remove() copies them back."""
+    x = flux_inputs(flux)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+    snap = snapshot(flux)
+    arena = host_arena(slack(budgets(flux)["half"], flux))
+    arena.private = True  # what offload(route="vmm", vram_budget=...) makes
+    handle = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    member = arena.members[0]
+    assert member.units and member.host is None
+    assert arena.report()["members"]["transformer"]["host_copy_bytes"] == 0
+    lo, hi = member.home.data_ptr(), member.home.data_ptr() + member.home.numel()
+    assert all(lo <= p.data_ptr() < hi for u in member.units for _, p in u.params)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(flux(**x)[0], ref)
+    handle.remove()
+    assert_restored(flux, snap)
+    assert arena.closed  # a private arena goes with its only member

@@ -469,6 +469,11 @@ class Member:
                                         for (_, p), o in zip(unit.params, layout.offsets)])
             self.loaded = [False] * len(self.units)
             self._upload_missing()
+            if self.arena.private:  # nobody else will ever take its chunks: no host copy to restore from
+                if e._copy_stream is not None:
+                    e._copy_stream.synchronize()  # the uploads read the slabs
+                self.host.discard()
+                self.host = None
         self._placed = True
 
     def build_slots(self) -> torch.Tensor:
@@ -588,8 +593,8 @@ class Member:
     def evict(self, want: int) -> int:
         """Unmaps up to ``want`` chunks (slots first, then the home range's tail); returns how many."""
         got = 0
-        if want <= 0 or self.mapped_chunks() == 0:
-            return 0
+        if want <= 0 or self.mapped_chunks() == 0 or (self.host is None and self.units):
+            return 0  # without host copies (a private arena's only member) nothing can come back
         self._wait_idle()
         if self.slots_mapped and self.slot_chunks:
             self.engine.scheduler.suspend()  # what is in flight is forgotten; the next call refetches
@@ -615,13 +620,13 @@ class Member:
         Whatever fails, the member leaves (its state reset); the first error is raised after."""
         with self.arena.lock:
             try:
-                self._park_resident()  # nothing points into the ranges from here, whatever fails
                 self._wait_idle()
+                self._park_resident(orig_device)  # nothing points into the ranges from here
                 if self.host is not None:
                     self.host.release(orig_device, keep_warm=False)
                     self.host = None
             finally:
-                self._park_resident()
+                self._park_resident(orig_device)
                 self.home_views, self.home, self.slot_tensor = [], None, None
                 bases, self.home_base, self.slot_base = (self.home_base, self.slot_base), None, None
                 self.home_mapped, self.slots_mapped, self.loaded, self.busy = 0, False, [], 0
@@ -640,13 +645,24 @@ class Member:
                 if error is not None:
                     raise error
 
-    def _park_resident(self) -> None:
-        """Points every resident unit's parameters at its host copy (always valid while it exists)."""
-        if self.host is None or not self.host.host_views:
+    def _park_resident(self, orig_device: dict[int, torch.device]) -> None:
+        """Points every resident unit's parameters at its host copy (always valid while it exists), or,
+        without host copies (a private arena), gives them their own memory on their original device,
+        copied from the arena: either way nothing points into the ranges afterwards."""
+        from ..units import own_copy
+
+        if self.host is not None and self.host.host_views:
+            for i, unit in enumerate(self.units):
+                for (_, p), v in zip(unit.params, self.host.host_views[i]):
+                    p.data = v
             return
-        for i, unit in enumerate(self.units):
-            for (_, p), v in zip(unit.params, self.host.host_views[i]):
-                p.data = v
+        if self.home is None:
+            return
+        lo, hi = self.home.data_ptr(), self.home.data_ptr() + self.home.numel()
+        for unit in self.units:
+            for _, p in unit.params:
+                if lo <= p.data_ptr() < hi:
+                    p.data = own_copy(p.data, orig_device.get(id(p), torch.device("cpu")))
 
     def figures(self) -> dict[str, Any]:
         return dict(
@@ -655,6 +671,7 @@ class Member:
             fixed_bytes=self.fixed_bytes,
             mapped_bytes=self.mapped_chunks() * self.chunk,
             resident_units=len(self.units),
+            host_copy_bytes=self.host.nbytes if self.host is not None else 0,
             loaded_units=sum(self.loaded),
             restores=self.restores,
         )

@@ -314,6 +314,14 @@ class SlabSet:
         return sum(self.unit_nbytes[u] for u in self.borrowed)
 
     # -- teardown ----------------------------------------------------------------------------------
+    def discard(self) -> None:
+        """Lets go of the slabs without restoring any parameter (they point at another copy now: the
+        vmm route's private arena keeps no host copy of its resident units). The caller made sure no
+        copy from them is still in flight."""
+        slabs, self.slabs, self.host_views = self.slabs, [], []
+        for slab in slabs:
+            slab.close()
+
     def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
         """Gives every parameter its own memory back on its original device and frees the slabs,
         one at a time. With ``keep_warm``, parameters of CPU modules stay in their (still pinned)
