@@ -396,15 +396,21 @@ def test_coded_units_on_a_shared_arena(vae, codec):
     arena.close()
 
 
-def test_a_failed_fetch_at_a_restore_keeps_every_slot():
-    """A fetch that fails while a member's slots come back (a deferred CUDA error, say): that call raises
-    the DdoError, and the next call finds both slots and gives the right output."""
+def _two_nets():
+    """Two 8-block nets, an input, the second's output, the bytes of one block, and an arena that holds
+    one net whole but not both."""
     a, b = _net(seed=0), _net(seed=1)
     x = torch.randn(4, 256)
     with torch.no_grad():
         ref = b(x)
     unit = 256 * 257 * 4
-    arena = host_arena(8 * unit + 2 * CHUNK + 64 * CHUNK)
+    return a, b, x, ref, unit, host_arena(8 * unit + 2 * CHUNK + 64 * CHUNK)
+
+
+def test_a_failed_fetch_at_a_restore_keeps_every_slot():
+    """A fetch that fails while a member's slots come back (a deferred CUDA error, say): that call raises
+    the DdoError, and the next call finds both slots and gives the right output."""
+    a, b, x, ref, unit, arena = _two_nets()
     hb = ddo_blocks.offload(b, route="vmm", arena=arena, device="cpu", component="b", vram_budget=3 * unit)
     ha = ddo_blocks.offload(a, route="vmm", arena=arena, device="cpu", component="a")
     store, sched = hb.engine.store, hb.engine.scheduler
@@ -436,12 +442,7 @@ def test_a_member_is_not_evicted_before_its_first_prefetches_are_queued(monkeypa
 
     from ddo_blocks.streaming import engine as eng
 
-    a, b = _net(seed=0), _net(seed=1)
-    x = torch.randn(4, 256)
-    with torch.no_grad():
-        ref = b(x)
-    unit = 256 * 257 * 4
-    arena = host_arena(8 * unit + 2 * CHUNK + 64 * CHUNK)
+    a, b, x, ref, unit, arena = _two_nets()
     ha = ddo_blocks.offload(a, route="vmm", arena=arena, device="cpu", component="a")  # all resident
     real_fetch, armed, errors = eng.StreamingEngine.fetch, {"on": True}, []
 
