@@ -12,7 +12,7 @@ from torch import nn
 
 from . import _native, env, routes
 from .autobudget import AutoBudget
-from .budget import parse_bytes
+from .budget import fmt_bytes, parse_bytes
 from .errors import ConfigError, CudaNotAvailableError, DdoError, OffloadStateError
 from .report import Report, build_report
 from .routes.spec import Engine, EngineRequest, Preset, UnitInfo
@@ -142,6 +142,30 @@ class OffloadHandle:
         self.engine, self.preset, self.vram_budget = fresh, chosen, new
         auto.replanned_bytes = new
         log.info("ddo_blocks: %s: vram_budget='auto' %s", self.component, auto.reason)
+
+    def _arena_replan(self) -> None:
+        """On an ``Arena("auto")``, after the first call: plans the component again, once, with the budget
+        its phase has now that its activations are measured (``arena.AutoArena``), when that is at least
+        10 % more than it planned with; a failed attach attaches the first plan again."""
+        engine = self.engine
+        engine.after_entry_call = None
+        new = engine.slots.replan_budget(self.vram_budget is None)
+        if new is None:
+            return
+        spec, options = self._rebuild
+        engine.detach()
+        request = EngineRequest(self.module, self.requested_preset, None, self.device, dict(options), None,
+                                component=self.component)
+        try:
+            chosen, fresh = spec.factory(request)
+            fresh.attach()
+        except DdoError as exc:
+            log.warning("ddo_blocks: %s: re-planning on the auto arena failed (%s); the first plan is attached again",
+                        self.component, exc)
+            chosen, fresh = spec.factory(request)
+            fresh.attach()
+        self.engine, self.preset = fresh, chosen
+        log.info("ddo_blocks: %s: re-planned on the auto arena with %s", self.component, fmt_bytes(new))
 
     # -- re-planning with measured compute -------------------------------------------------------------
     def replan(self, min_gain: float = REPLAN_MIN_GAIN) -> bool:
@@ -304,6 +328,8 @@ def offload(
     handle._rebuild = (spec, dict(route_options))
     if auto is not None:
         handle._auto_budget(auto, spec, route_options)
+    elif hasattr(getattr(engine, "slots", None), "replan_budget") and getattr(engine, "after_entry_call", 0) is None:
+        engine.after_entry_call = handle._arena_replan  # Arena("auto"): planned again once with its phase's budget
     setattr(module, _ATTR, handle)
     if getattr(engine, "owns_placement", False):
         handle._guard = guards.ConversionGuard(module, dev, lambda: repr(handle))
@@ -318,9 +344,6 @@ def _auto_budget(module: nn.Module, spec: routes.RouteSpec, options: dict[str, A
     if not spec.streams:
         raise ConfigError(f"vram_budget='auto' picks the budget of a route that streams; route {spec.name!r} does "
                           "not stream: pass bytes, a size such as '6GiB', or None")
-    if not spec.auto_budget:
-        raise ConfigError(f"vram_budget='auto' is not built for route {spec.name!r} yet: pass bytes or a size such as "
-                          "'16GiB' (or 'min' for a component sharing an Arena)")
     minimum = minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
     return AutoBudget.at_attach(dev, minimum, type(module).__name__)
 

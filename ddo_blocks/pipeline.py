@@ -231,12 +231,17 @@ def _arena_policies(modules: dict[str, nn.Module], budget: int | None, preset: s
     policies = {n: OffloadPolicy.parse(v, default=OffloadPolicy(), where=f"component {n!r}") for n, v in given.items()}
     joins = {n for n, p in policies.items() if p.route == "vmm" and "arena" not in p.options and where.get(n, dev) == dev}
     outside = sum(_device_bytes(p, modules[n]) for n, p in policies.items() if where.get(n, dev) == dev and n not in joins)
-    if outside >= budget:
+    if budget == "auto":
+        arena = Arena("auto", dev)
+        arena.set_aside(outside)  # the free memory the components on their own policies will take
+        budget = arena.budget
+    elif outside >= budget:
         raise BudgetError(
             f"vram_budget={fmt_bytes(budget)} is taken by the components given their own policies "
             f"({fmt_bytes(outside)}); raise vram_budget or leave them to the arena"
         )
-    arena = Arena(budget - outside, dev)
+    else:
+        arena = Arena(budget - outside, dev)
     denoiser = _denoiser(modules)
     for name in joins:  # a vmm policy of its own (a codec, a budget within the arena) joins the arena
         policies[name] = replace(policies[name], options={**policies[name].options, "arena": arena})
@@ -271,7 +276,8 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
     Args:
         pipe: a ``DiffusionPipeline`` (``FluxPipeline``, ``WanPipeline``, ...), components on the CPU.
         vram_budget: bytes or a string such as ``"8GiB"`` for all the components' weights on the device
-            together (activations come on top). ``None``: no limit (everything resident). A component's
+            together (activations come on top). ``None``: no limit (everything resident). With
+            ``preset="vmm_fast"`` also ``"auto"``: the arena's budget from the free memory, phase by phase. A component's
             own policy may take ``"min"`` or ``"auto"`` (``transformer={"vram_budget": "auto"}``), the
             latter only without a pipeline budget.
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
@@ -304,14 +310,14 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
     dev = resolve_device(device)
     components, where = _component_devices(components, dev)
     _check_not_offloaded(modules, components)
-    if vram_budget in ("auto", "min"):
+    arena_route = routes.route_of_preset(preset)
+    if vram_budget == "min" or (vram_budget == "auto" and (arena_route is None or arena_route.name != "vmm")):
         raise ConfigError(
             f"offload_pipeline(vram_budget={vram_budget!r}): the pipeline's budget is bytes or a size such as "
             f"'8GiB' shared by its components; {vram_budget!r} is a budget of one component: pass it per component "
             f"(transformer={{'vram_budget': {vram_budget!r}}})"
         )
-    budget = parse_bytes(vram_budget, what="vram_budget")
-    arena_route = routes.route_of_preset(preset)
+    budget = vram_budget if vram_budget == "auto" else parse_bytes(vram_budget, what="vram_budget")
     arena = None
     if arena_route is not None and arena_route.name == "vmm":
         policies = _arena_policies(modules, budget, preset, components, where, dev)

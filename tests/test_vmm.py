@@ -137,7 +137,7 @@ def test_the_cpu_without_a_test_arena_is_refused(flux):
     ({"vram_budget": 1 << 40, "arena": "ARENA"}, ddo_blocks.ConfigError, "at most the arena's"),
     ({"arena": "ARENA", "codec": "gzip"}, ddo_blocks.ConfigError, "is not a codec"),
     ({"arena": "ARENA", "offload_type": "leaf_level"}, ddo_blocks.ConfigError, "does not take offload_type"),
-    ({"vram_budget": "auto"}, ddo_blocks.ConfigError, "'auto' is not built for route 'vmm'"),
+    ({"vram_budget": "auto"}, ddo_blocks.CudaNotAvailableError, "needs a CUDA device"),
 ])
 def test_bad_options_are_refused_and_leave_the_module(flux, kwargs, error, match):
     arena = host_arena(slack(budgets(flux)["all_resident"], flux))
@@ -513,3 +513,58 @@ def test_a_private_arena_keeps_no_host_copy_of_its_resident_units(flux):
     handle.remove()
     assert_restored(flux, snap)
     assert arena.closed  # a private arena goes with its only member
+
+
+def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypatch):
+    """Arena("auto"): half the free memory until a member's first call measured its activations; then
+    each member's calls run with the free memory less its own activations (the margin set to 0 here):
+    the transformer is planned again with its larger phase budget, and the VAE's activation-heavy
+    phase takes the transformer's chunks and gives them back to the allocator. Outputs stay exact."""
+    from ddo_blocks import autobudget
+
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
+    free = 2 * slack(bf["all_resident"], flux)
+    acts = {"transformer": free // 50, "vae": free * 7 // 10}  # the VAE's decode needs much more
+    monkeypatch.setattr(autobudget, "free_bytes", lambda device: free)
+    monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
+    monkeypatch.setattr(autobudget, "MARGIN_FRACTION", 0.0)
+
+    class FakePeak:
+        owner: list[str] = []
+
+        def __init__(self, device):
+            pass
+
+        def start(self):
+            pass
+
+        def finish(self):
+            return acts[FakePeak.owner[-1]]
+
+    monkeypatch.setattr(autobudget, "CallPeak", FakePeak)
+    arena = Arena("auto", _backend=HostChunks(CHUNK, free))
+    assert arena.budget == free // 2
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
+    first_plan = hf.report()["plan"]["resident_units"]
+    FakePeak.owner.append("transformer")
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)  # measures; then planned again with free - its activations
+    assert arena.auto.activations["transformer"] == acts["transformer"]
+    assert hf.report()["plan"]["resident_units"] > first_plan
+    FakePeak.owner.append("vae")
+    with torch.no_grad():
+        assert torch.equal(vae.decode(lat).sample, dec)
+        assert torch.equal(vae.decode(lat).sample, dec)  # a phase of free - the VAE's activations
+    mv = next(m for m in arena.members if m.name == "vae")
+    assert arena.budget == max(free - acts["vae"], mv.working_chunks() * CHUNK + arena.fixed_bytes) < free // 2
+    assert arena.backend.max_chunks * CHUNK <= arena.budget  # the pool shrank with the phase
+    assert arena.mapped_chunks() * CHUNK + arena.fixed_bytes <= arena.budget
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)  # its phase again: its chunks come back
+    assert arena.budget == free - acts["transformer"]
+    fig = arena.report()
+    assert fig["auto_free_bytes"] == free and fig["vae_activation_bytes"] == acts["vae"]
+    hv.remove()
+    hf.remove()
+    arena.close()

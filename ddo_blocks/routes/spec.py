@@ -167,7 +167,6 @@ class RouteSpec:
             pipeline-wide budget must count for it.
         min_extra: bytes the route needs beyond the streaming minimum (``vram_budget="min"`` adds them;
             the vmm route: its arena's rounding to whole chunks).
-        auto_budget: takes ``vram_budget="auto"`` (a streaming route sized from the free memory at attach).
         needs_cuda: the route has no CPU path (``vmm``): on the CPU it refuses with
             ``CudaNotAvailableError`` and the benchmarks skip its rows.
         check: validates a module, preset, budget, device and options before anything moves (blocks
@@ -191,7 +190,6 @@ class RouteSpec:
     places_weights: bool = True
     holds_all: bool = False
     needs_cuda: bool = False
-    auto_budget: bool = True
     min_extra: Callable[[nn.Module, dict[str, Any]], int] | None = None
     check: Callable[..., None] | None = None
     claims: Callable[[nn.Module], bool] | None = None

@@ -142,7 +142,6 @@ SPEC = RouteSpec(
     streams=True,
     device_hook=True,
     needs_cuda=True,
-    auto_budget=False,
     min_extra=min_extra,
     check=check,
 )

@@ -173,13 +173,56 @@ class HostChunks:
         self._ranges.clear()
 
 
+class AutoArena:
+    """``Arena("auto")``: the device's free memory ``F`` when the arena is made; a first budget of
+    ``F / 2`` (the activations are not known yet); each member's activation peak ``A`` measured on its
+    first call (PyTorch's peak allocated less what was allocated when the call began); from then on,
+    that member's calls run with a budget of ``F - A - margin``: the phase with big activations (a
+    VAE decode) takes chunks from the others and gives them to PyTorch, the denoiser's phase has them
+    back. A member that planned with the whole arena is planned again once after its first call, with
+    its phase's budget (``OffloadHandle``), when that is at least 10 % more."""
+
+    def __init__(self, free_bytes: int):
+        from ..autobudget import MARGIN_BYTES, MARGIN_FRACTION, START_FRACTION
+
+        self.free_bytes = free_bytes
+        self.margin = int(MARGIN_BYTES + MARGIN_FRACTION * free_bytes)
+        self.first_bytes = int(free_bytes * START_FRACTION)
+        self.activations: dict[str, int] = {}
+
+    @classmethod
+    def at_creation(cls, device: torch.device) -> AutoArena:
+        from .. import autobudget
+
+        return cls(autobudget.free_bytes(device))
+
+    def set_aside(self, nbytes: int) -> None:
+        """Memory that other placements will take from the free memory measured (components on their
+        own policies in the same pipeline)."""
+        from ..autobudget import START_FRACTION
+
+        self.free_bytes = max(0, self.free_bytes - nbytes)
+        self.first_bytes = int(self.free_bytes * START_FRACTION)
+
+    def phase_budget(self, name: str) -> int:
+        act = self.activations.get(name)
+        return self.first_bytes if act is None else max(self.first_bytes // 2, self.free_bytes - act - self.margin)
+
+    def section(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"auto_free_bytes": self.free_bytes, "auto_first_bytes": self.first_bytes,
+                               "auto_margin_bytes": self.margin}
+        out.update({f"{name}_activation_bytes": a for name, a in self.activations.items()})
+        return out
+
+
 class Arena:
     """One VRAM budget for the weights of every component placed on it (``route="vmm"``).
 
     Args:
         vram_budget: bytes (or ``"16GiB"``) for all the members' weights on the device together: the
             chunks mapped for their resident units and slots, plus what each keeps outside the arena
-            (buffers, weights in no unit). Activations come on top, as on every route.
+            (buffers, weights in no unit). Activations come on top, as on every route. ``"auto"``: from
+            the free memory, phase by phase (:class:`AutoArena`).
         device: ``cuda`` or ``cuda:N``.
         chunk_bytes: physical chunk size (rounded up to the device's granularity).
         headroom: bytes kept out of the plans for components that join after the one planning with the
@@ -200,17 +243,19 @@ class Arena:
                  chunk_bytes: int = CHUNK_BYTES, headroom: int | str = 0, _backend: Any = None):
         from ..api import resolve_device
 
-        budget = parse_bytes(vram_budget, what="vram_budget")
-        if budget is None or budget <= 0:
-            raise ConfigError(f"an Arena needs a positive vram_budget (bytes or a size such as '16GiB'), got "
-                              f"{vram_budget!r}")
         self.device = resolve_device(device) if _backend is None else _backend.device
         if self.device.type != "cuda" and _backend is None:
             raise CudaNotAvailableError(
                 f"route='vmm' maps weights into CUDA virtual memory and needs a CUDA device, got {self.device}; "
                 "use route='linear' on the CPU"
             )
+        self.auto: AutoArena | None = AutoArena.at_creation(self.device) if vram_budget == "auto" else None
+        budget = self.auto.first_bytes if self.auto is not None else parse_bytes(vram_budget, what="vram_budget")
+        if budget is None or budget <= 0:
+            raise ConfigError(f"an Arena needs a positive vram_budget (bytes, a size such as '16GiB', or 'auto'), "
+                              f"got {vram_budget!r}")
         self.budget = budget
+        """The budget in force: fixed, or with ``"auto"`` the current phase's (see :class:`AutoArena`)."""
         self.headroom = parse_bytes(headroom, what="headroom") or 0
         self.expected: dict[str, int] = {}
         """Fixed bytes of components checked for this arena (``expect``) and not joined yet."""
@@ -307,6 +352,29 @@ class Arena:
             if self.private and not self.members:
                 self.close()
 
+    def set_aside(self, nbytes: int) -> None:
+        """``"auto"``: memory that other placements will take from the free memory it measured."""
+        with self.lock:
+            if self.auto is not None:
+                self.auto.set_aside(nbytes)
+                self.budget = self.auto.first_bytes
+                self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
+
+    def enter_phase(self, member: Member) -> None:
+        """``vram_budget="auto"``: the budget of ``member``'s call (the free memory at creation less its
+        measured activations and a margin, the first budget until measured), never below what the member
+        itself holds; the other members give back what the lower budget leaves no room for, and the
+        chunks beyond it go back to the driver (PyTorch's activations need them)."""
+        if self.auto is None:
+            return
+        with self.lock:
+            own = member.working_chunks() * self.chunk_bytes + self.fixed_bytes
+            budget = max(self.auto.phase_budget(member.name), own)
+            if budget != self.budget:
+                self.budget = budget
+                self.make_room(member, 0)
+                self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
+
     def make_room(self, member: Member, need: int) -> None:
         """Unmaps chunks of other members (least recently called first) until ``need`` more chunks fit."""
         with self.lock:
@@ -365,6 +433,7 @@ class Arena:
             placed_bytes=self.placed_bytes,
             restored_bytes=self.restored_bytes,
             members={m.name: m.figures() for m in self.members},
+            **(self.auto.section() if self.auto is not None else {}),
         )
 
     def close(self) -> None:
@@ -409,6 +478,7 @@ class Member:
         self.slot_tensor: torch.Tensor | None = None
         self.slots_mapped = False
         self.last_call = 0
+        self._peak: Any = None
         self.busy = 0
         """Attaching, or in a call (entry point or a unit called on its own): never evicted then."""
         self._fence: Any = None
@@ -556,6 +626,12 @@ class Member:
             self.busy += 1
             try:
                 self.last_call = next(_clock)
+                self.arena.enter_phase(self)
+                auto = self.arena.auto
+                if auto is not None and self.name not in auto.activations and self._peak is None:
+                    from ..autobudget import CallPeak
+
+                    self._peak = CallPeak(self.engine.device)
                 restored = False
                 if self.home_base is not None and (self.home_mapped < self.home_chunks or not all(self.loaded)):
                     self._map_home()
@@ -566,6 +642,8 @@ class Member:
                     self.engine.scheduler.resume()
                     restored = True
                 self.restores += restored
+                if self._peak is not None:
+                    self._peak.start()  # after the restore: what the call itself allocates
             except BaseException:
                 self.busy -= 1
                 raise
@@ -577,6 +655,11 @@ class Member:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(e.device))
                 self._fence = ev
+            if self._peak is not None and self.arena.auto is not None:
+                act = self._peak.finish()  # the first call's activations (waits for it, once)
+                if act is not None:
+                    self.arena.auto.activations[self.name] = act
+                self._peak = None
             self.busy = max(0, self.busy - 1)
 
     def _wait_idle(self) -> None:
@@ -700,6 +783,18 @@ class ArenaSlots(TorchSlots):
 
     def ready(self) -> None:
         self.member.busy = max(0, self.member.busy - 1)  # attached: evictable between its calls
+
+    def replan_budget(self, planned_with_whole_arena: bool) -> int | None:
+        """``Arena("auto")``: the budget to plan this component again with, once, after its first call
+        (its phase's budget less the others' fixed bytes), when it planned with the whole arena and that
+        is at least 10 % more than what it planned with; else ``None``."""
+        from ..autobudget import REPLAN_GAIN
+
+        arena, m = self.member.arena, self.member
+        if arena.auto is None or not planned_with_whole_arena or m.name not in arena.auto.activations:
+            return None
+        new = arena.auto.phase_budget(m.name) - (arena.fixed_bytes - m.fixed_bytes)
+        return new if new >= self.engine.budget * (1 + REPLAN_GAIN) else None
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return self.member.build_slots()[:nbytes]
