@@ -186,8 +186,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     call.update(num_inference_steps=args.steps)
     if not args.tiny:
         call.update(max_sequence_length=512, guidance_scale=3.5)
-    budgets = [ddo_blocks.parse_bytes(b if not b[-1:].isdigit() else b + "GiB", what="budget")
-               for b in args.budgets.split(",") if b]
+    budgets: list[Any] = ["auto" if b == "auto" else ddo_blocks.parse_bytes(b if not b[-1:].isdigit() else b + "GiB",
+                                                                             what="budget")
+                          for b in args.budgets.split(",") if b]
     rows: list[dict[str, Any]] = []
     doc = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -243,6 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "pipeline": f"offload_pipeline {route}", "route": route, "vram_budget": budget,
                     "setup_s": setup_s, "generations": gens, **peaks, "host_rss_over_baseline": rss,
                     "arena_peak_bytes": arena["peak_device_bytes"] if arena else None,
+                    "arena": arena,
                     "peak_device_weights": arena["peak_device_bytes"] if arena else off.gpu_bytes,
                     "policies": {n: p.describe() for n, p in off.policies.items()},
                     "exact": all(torch.equal(a, b) for a, b in zip(images, refs)),
@@ -250,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 off.remove()
                 host_rss()  # freed host slabs back to the system before the next row
-            print(f"{route} {budget / 2**30:.0f} GiB: " + ", ".join(
+            print(f"{route} {_label(budget)}: " + ", ".join(
                 f"gen{i + 1} {g['total_s']:.2f} s (encode {g['encode_s']:.2f}, denoise {g['denoise_s']:.2f}, decode "
                 f"{g['decode_s']:.2f}, {g['uploaded_bytes'] / 1e9:.1f} GB)" for i, g in enumerate(rows[-1]["generations"])),
                 flush=True)
@@ -266,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _reset(device)
         t1 = time.perf_counter()
         try:
-            note = spec.attach(pipe, device, budgets[0] if budgets else None)
+            note = spec.attach(pipe, device, next((b for b in budgets if b != "auto"), None))
         except Exception as exc:  # a peer that cannot run here (CUDA only, not installed) is a row that says so
             rows.append({"pipeline": spec.label, "route": peer, "vram_budget": None,
                          "error": f"{type(exc).__name__}: {exc}"})
@@ -303,6 +305,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             spec.undo(pipe)
         written()
     return doc
+
+
+def _label(budget: Any) -> str:
+    from ddo_blocks import fmt_bytes
+
+    return budget if isinstance(budget, str) else fmt_bytes(budget)
 
 
 def _denoiser_name(pipe: Any) -> str:
@@ -432,7 +440,7 @@ def markdown(doc: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     weights = sum(doc["weights"].values())
     for r in doc["rows"]:
-        budget = fmt_bytes(r["vram_budget"]) if r.get("vram_budget") else "-"
+        budget = _label(r["vram_budget"]) if r.get("vram_budget") else "-"
         if r.get("error"):
             lines.append(f"| {r['pipeline']} | {budget} | - | {r['error']} |||||||||")
             continue
@@ -448,7 +456,7 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{sent} | {tail} |")
     for r in doc["rows"]:
         if r.get("policies"):
-            lines += ["", f"{r['pipeline']} at {fmt_bytes(r['vram_budget'])}: "
+            lines += ["", f"{r['pipeline']} at {_label(r['vram_budget'])}: "
                       + "; ".join(f"{n}: {d}" for n, d in r["policies"].items())]
     return "\n".join(lines) + "\n"
 
@@ -458,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.pipeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--budgets", default="8,16,24", help="total VRAM budgets (a bare number is GiB), comma-separated")
+    p.add_argument("--budgets", default="8,16,24",
+                   help="total VRAM budgets (a bare number is GiB; 'auto': the vmm route's Arena('auto')), "
+                        "comma-separated")
     p.add_argument("--routes", default="linear,vmm",
                    help="linear (offload_pipeline's default split), vmm (vmm_fast), each with +fixed or +tiered "
                         "for the denoiser's codec (vmm+tiered); peers after them: "

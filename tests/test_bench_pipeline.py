@@ -39,6 +39,10 @@ def test_the_pipeline_benchmark_s_other_peers(tmp_path):
 
     assert "needs a CUDA device" in row("ddo")["error"]  # a peer that cannot run here is a row that says so
     assert "needs a CUDA device" in row("mmgp")["error"]
+    main(["--tiny", "--device", "cpu", "--budgets", "auto", "--routes", "linear,vmm", "--steps", "1",
+          "--generations", "1", "--out", str(tmp_path)])
+    _, linear, vmm = json.loads((tmp_path / "pipeline.json").read_text())["rows"]
+    assert "'auto' is a budget of one component" in linear["error"] and "needs a CUDA device" in vmm["error"]
     seq = row("sequential_cpu_offload")
     # accelerate's sequential offload may fail on the CPU (a TypeError in set_module_tensor_to_device with
     # this torch): then its row says so; where it runs, one step is run and the denoise scaled to two
