@@ -181,7 +181,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     components = tiny_components("flux") if args.tiny else full_size_components(args.device)
     build_s = time.perf_counter() - t0
     pipe = FluxPipeline(**components)
-    call: dict[str, Any] = dict(CALL_DEFAULTS["flux"]) if args.tiny else dict(height=1024, width=1024)
+    call: dict[str, Any] = (dict(CALL_DEFAULTS["flux"]) if args.tiny
+                            else dict(height=args.resolution, width=args.resolution))
     call.pop("prompt", None)
     call.update(num_inference_steps=args.steps)
     if not args.tiny:
@@ -475,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                         "model_cpu_offload, sequential_cpu_offload, and last (they stay on): group_offload, ddo "
                         "or mmgp")
     p.add_argument("--steps", type=int, default=28)
+    p.add_argument("--resolution", type=int, default=1024, help="image height and width (full-size components)")
     p.add_argument("--generations", type=int, default=3, help="generations in a row, each with its own prompt")
     p.add_argument("--slow-peer-steps", type=int, default=2,
                    help="steps run by a slow peer (sequential CPU offload), its denoise scaled to --steps")
