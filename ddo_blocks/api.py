@@ -153,16 +153,21 @@ class OffloadHandle:
         if new is None:
             return
         spec, options = self._rebuild
+        first = engine.budget
+        engine.slots.enter_own_phase()  # the arena's budget is this component's phase now: it plans with it
         engine.detach()
-        request = EngineRequest(self.module, self.requested_preset, None, self.device, dict(options), None,
-                                component=self.component)
+
+        def request(budget: int | None) -> EngineRequest:  # fresh each time: the factory takes its options
+            return EngineRequest(self.module, self.requested_preset, budget, self.device, dict(options), None,
+                                 component=self.component)
+
         try:
-            chosen, fresh = spec.factory(request)
+            chosen, fresh = spec.factory(request(None))
             fresh.attach()
         except DdoError as exc:
-            log.warning("ddo_blocks: %s: re-planning on the auto arena failed (%s); the first plan is attached again",
-                        self.component, exc)
-            chosen, fresh = spec.factory(request)
+            log.warning("ddo_blocks: %s: re-planning on the auto arena failed (%s); the first plan's budget is "
+                        "attached again", self.component, exc)
+            chosen, fresh = spec.factory(request(first))
             fresh.attach()
         self.engine, self.preset = fresh, chosen
         log.info("ddo_blocks: %s: re-planned on the auto arena with %s", self.component, fmt_bytes(new))

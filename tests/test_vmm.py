@@ -523,7 +523,7 @@ def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypa
     from ddo_blocks import autobudget
 
     x, ref, lat, dec, bf, bv = _pair(flux, vae)
-    free = 2 * slack(bf["all_resident"], flux)
+    free = 3 * slack(bf["all_resident"], flux) // 2  # the first budget (half) streams the transformer
     acts = {"transformer": free // 50, "vae": free * 7 // 10}  # the VAE's decode needs much more
     monkeypatch.setattr(autobudget, "free_bytes", lambda device: free)
     monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
@@ -546,12 +546,13 @@ def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypa
     assert arena.budget == free // 2
     hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
     hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
-    first_plan = hf.report()["plan"]["resident_units"]
+    first_budget, first_streamed = hf.engine.budget, hf.report()["plan"]["streamed_bytes"]
     FakePeak.owner.append("transformer")
     with torch.no_grad():
         assert torch.equal(flux(**x)[0], ref)  # measures; then planned again with free - its activations
     assert arena.auto.activations["transformer"] == acts["transformer"]
-    assert hf.report()["plan"]["resident_units"] > first_plan
+    assert hf.engine.budget > 1.5 * first_budget  # planned with its phase's budget, not the first one
+    assert hf.report()["plan"]["streamed_bytes"] < first_streamed
     FakePeak.owner.append("vae")
     with torch.no_grad():
         assert torch.equal(vae.decode(lat).sample, dec)
@@ -568,3 +569,77 @@ def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypa
     hv.remove()
     hf.remove()
     arena.close()
+
+
+def test_a_failed_replan_on_the_auto_arena_attaches_the_first_budget_again(flux, vae, monkeypatch):
+    from ddo_blocks import autobudget, routes
+
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
+    free = 3 * slack(bf["all_resident"], flux) // 2
+    monkeypatch.setattr(autobudget, "free_bytes", lambda device: free)
+    monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
+    monkeypatch.setattr(autobudget, "MARGIN_FRACTION", 0.0)
+
+    class FakePeak:
+        def __init__(self, device):
+            pass
+
+        def start(self):
+            pass
+
+        def finish(self):
+            return free // 50
+
+    monkeypatch.setattr(autobudget, "CallPeak", FakePeak)
+    arena = Arena("auto", _backend=HostChunks(CHUNK, free))
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    first = hf.engine.budget
+    spec = routes.get("vmm")
+    real = spec.factory
+    calls = []
+
+    def failing_once(req):
+        chosen, engine = real(req)
+        calls.append(req.budget)
+        if len(calls) == 1:
+            def refuse():
+                raise ddo_blocks.BudgetError("no room (test)")
+
+            engine.attach = refuse
+        return chosen, engine
+
+    import dataclasses
+
+    monkeypatch.setattr(hf, "_rebuild", (dataclasses.replace(spec, factory=failing_once), hf._rebuild[1]))
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)  # the re-plan failed after this call; the first budget again
+    assert calls == [None, first] and hf.engine.attached and hf.engine.budget == first
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    hf.remove()
+    arena.close()
+
+
+def test_a_root_module_that_is_a_streamed_unit_gives_its_lock_back():
+    import threading
+
+    from ddo_blocks.streaming.scheduler import Scheduler
+    from ddo_blocks.units import Unit
+
+    class Quiet:
+        def __getattr__(self, name):
+            return lambda *a, **k: 0
+
+    m = torch.nn.Linear(8, 8)
+    sched = Scheduler(m, torch.device("cpu"), [Unit(0, "", m, list(m.named_parameters()))], [], Quiet())
+    sched.install()
+    sched.start(1)
+    with torch.no_grad():
+        m(torch.randn(1, 8))
+    assert sched._solo is None and sched._owner is None and not sched.lock._is_owned()
+    done = []
+    t = threading.Thread(target=lambda: (torch.no_grad()(m)(torch.randn(1, 8)), done.append(1)), daemon=True)
+    t.start()
+    t.join(5)
+    assert done  # another thread's call was not locked out
+    sched.uninstall()

@@ -371,8 +371,12 @@ class Arena:
             own = member.working_chunks() * self.chunk_bytes + self.fixed_bytes
             budget = max(self.auto.phase_budget(member.name), own)
             if budget != self.budget:
-                self.budget = budget
-                self.make_room(member, 0)
+                before, self.budget = self.budget, budget
+                try:
+                    self.make_room(member, 0)
+                except BaseException:
+                    self.budget = before  # the others could not give back enough (one is running): as it was
+                    raise
                 self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
 
     def make_room(self, member: Member, need: int) -> None:
@@ -657,7 +661,9 @@ class Member:
                 self._fence = ev
             if self._peak is not None and self.arena.auto is not None:
                 act = self._peak.finish()  # the first call's activations (waits for it, once)
-                if act is not None:
+                # only a whole call that returned counts (a block called on its own, or an interrupted
+                # call, would understate them): else the next call measures again
+                if act is not None and e.scheduler.last_call_clean and e.scheduler.depth == 0:
                     self.arena.auto.activations[self.name] = act
                 self._peak = None
             self.busy = max(0, self.busy - 1)
@@ -795,6 +801,10 @@ class ArenaSlots(TorchSlots):
             return None
         new = arena.auto.phase_budget(m.name) - (arena.fixed_bytes - m.fixed_bytes)
         return new if new >= self.engine.budget * (1 + REPLAN_GAIN) else None
+
+    def enter_own_phase(self) -> None:
+        """Sets the arena's budget to this member's phase (before it is planned again with it)."""
+        self.member.arena.enter_phase(self.member)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return self.member.build_slots()[:nbytes]

@@ -128,6 +128,9 @@ class Scheduler:
         self.active = False
         self._solo: int | None = None  # the streamed unit called on its own (outside an entry point), if any
         self._owner: int | None = None  # the thread running a call or a solo unit (it holds the lock)
+        self.last_call_clean = False
+        """Whether the last call that ended was an entry call that returned (not a unit on its own, not
+        interrupted): what a measurement of a whole call may trust."""
         self._hooks: list[Any] = []
         self._wrapped: list[tuple[str, Any, Any]] = []
         self.sched: list[int] = list(range(len(streamed)))
@@ -285,6 +288,7 @@ class Scheduler:
             finally:
                 if self._solo == u and self._owner == threading.get_ident():
                     self._solo = self._owner = None
+                    self.last_call_clean = False
                     try:
                         self.pipeline.call_finished()
                     finally:
@@ -386,7 +390,9 @@ class Scheduler:
         self.depth -= 1
         if self.depth > 0:
             return
-        self._owner = None
+        if self._solo is None:  # a root that is itself a unit: its post-hook still has to give the lock back
+            self._owner = None
+        self.last_call_clean = clean
         if self._running is not None:
             self.unit_end(self._running[0])
         if self._calibrating:
