@@ -5,7 +5,8 @@ an address that never changes, and resident weights that survive phases and call
       └─ Member (one per component on the vmm route)
            ├─ home range    its resident units, laid out in priority order, bound once
            ├─ slot range    its K streaming slots (as the linear route's, inside the arena)
-           └─ host copies   a pinned slab of each resident unit, to restore what was evicted
+           └─ host copies   a pinned slab of each resident unit, to restore what was evicted (none
+                            on a private arena: one component, nothing ever evicted)
 
 A component's plan (which units stay resident, how many slots) is the linear route's plan for the
 whole arena budget less what the other members keep outside the arena (their buffers and the few
@@ -19,6 +20,9 @@ Eviction happens only at a call's start, so inside a step the route streams as t
 An evicted unit's parameters point at its host copy (a CPU tensor: a stray use fails with a device
 error instead of reading unmapped memory); its next call maps the chunks again at the same
 addresses, copies the evicted units back and points the parameters at the same views.
+
+``Arena("auto")`` sizes each phase from the free memory and that member's measured activations
+(:class:`AutoArena`).
 
 With ``device="cpu"`` (tests only: ``Arena(..., _backend=HostChunks(...))``) ranges are ordinary
 memory and unmapped chunks are overwritten, so a unit used without its restore gives wrong values.
