@@ -85,17 +85,13 @@ class _Phases:
     """Times the phases of one pipeline call from hooks on the denoiser (the device synchronised at
     each step's start and end): encode = call start to the first denoiser step, denoise = first step
     start to last step end, decode = the rest (VAE decode and post-processing). Samples the driver's
-    used memory (``cudaMemGetInfo``) and the process RSS at each step boundary."""
+    used memory (``cudaMemGetInfo``) at each step boundary."""
 
     def __init__(self, denoiser: torch.nn.Module, device: torch.device):
-        import psutil
-
         self.device = device
-        self.proc = psutil.Process()
         self.first: float | None = None
         self.last: float | None = None
         self.used_peak = 0
-        self.rss_peak = 0
         self._hooks = [denoiser.register_forward_pre_hook(self._pre), denoiser.register_forward_hook(self._post)]
 
     def _mark(self) -> float:
@@ -103,7 +99,6 @@ class _Phases:
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             self.used_peak = max(self.used_peak, total - free)
-        self.rss_peak = max(self.rss_peak, self.proc.memory_info().rss)
         return time.perf_counter()
 
     def _pre(self, *_: Any) -> None:
@@ -143,7 +138,7 @@ def _uploaded(off: Any) -> int:
 def _generations(pipe: Any, device: torch.device, call: dict[str, Any], n: int, off: Any = None
                  ) -> tuple[list[torch.Tensor], list[dict[str, Any]], dict[str, int]]:
     """``n`` generations, a different prompt each (seed 0): the images, per generation its phase
-    times and the bytes it sent, and the peaks (torch's allocated, the driver's used, RSS)."""
+    times and the bytes it sent, and the peaks (torch's allocated, the driver's used)."""
     _reset(device)
     phases = _Phases(pipe.transformer, device)
     images, gens = [], []
@@ -156,8 +151,7 @@ def _generations(pipe: Any, device: torch.device, call: dict[str, Any], n: int, 
             gens.append({**times, "uploaded_bytes": _uploaded(off) - sent0})
     finally:
         phases.close()
-    return images, gens, {"peak_gpu_allocated": _peak(device) or 0, "peak_driver_used": phases.used_peak,
-                          "peak_rss": phases.rss_peak}
+    return images, gens, {"peak_gpu_allocated": _peak(device) or 0, "peak_driver_used": phases.used_peak}
 
 
 def _peak(device: torch.device) -> int | None:

@@ -124,22 +124,12 @@ class OffloadHandle:
         new = auto.decide()
         if new is None:
             return
-        spec, options = self._rebuild
-        old_budget = self.vram_budget
-        engine.detach()  # the call is done; the module is back where it was
-        try:
-            chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, new, self.device,
-                                                       dict(options), None, component=self.component))
-            fresh.attach()
-        except DdoError as exc:  # the first budget worked: attach it again
-            auto.reason += f"; attaching at {new} bytes failed ({exc}), the first budget was attached again"
+        failed = self._attach_again(new, fallback_budget=self.vram_budget)  # the call is done
+        if failed is not None:  # the first budget worked: it is attached again
+            auto.reason += f"; attaching at {new} bytes failed ({failed}), the first budget was attached again"
             log.warning("ddo_blocks: %s: %s", self.component, auto.reason)
-            chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, old_budget, self.device,
-                                                       dict(options), None, component=self.component))
-            fresh.attach()
-            self.engine = fresh
             return
-        self.engine, self.preset, self.vram_budget = fresh, chosen, new
+        self.vram_budget = new
         auto.replanned_bytes = new
         log.info("ddo_blocks: %s: vram_budget='auto' %s", self.component, auto.reason)
 
@@ -152,25 +142,33 @@ class OffloadHandle:
         new = engine.slots.replan_budget(self.vram_budget is None)
         if new is None:
             return
-        spec, options = self._rebuild
-        first = engine.budget
         engine.slots.enter_own_phase()  # the arena's budget is this component's phase now: it plans with it
-        engine.detach()
+        failed = self._attach_again(None, fallback_budget=engine.budget)
+        if failed is not None:
+            log.warning("ddo_blocks: %s: re-planning on the auto arena failed (%s); the first plan's budget is "
+                        "attached again", self.component, failed)
+            return
+        log.info("ddo_blocks: %s: re-planned on the auto arena with %s", self.component, fmt_bytes(new))
 
-        def request(budget: int | None) -> EngineRequest:  # fresh each time: the factory takes its options
-            return EngineRequest(self.module, self.requested_preset, budget, self.device, dict(options), None,
-                                 component=self.component)
+    def _attach_again(self, budget: int | None, *, fallback_budget: int | None, measured: Any = None) -> DdoError | None:
+        """Detaches the engine and attaches a new one of the same route and options planned with
+        ``budget`` (and ``measured``); if that attach fails, one planned with ``fallback_budget`` and no
+        measurement (the plan that worked). Returns the first attempt's error, or ``None``."""
+        spec, options = self._rebuild
+        self.engine.detach()
+
+        def build(b: int | None, m: Any) -> tuple[Preset, Any]:  # fresh options each time: the factory takes them
+            chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, b, self.device,
+                                                       dict(options), None, m, component=self.component))
+            fresh.attach()
+            return chosen, fresh
 
         try:
-            chosen, fresh = spec.factory(request(None))
-            fresh.attach()
+            self.preset, self.engine = build(budget, measured)
         except DdoError as exc:
-            log.warning("ddo_blocks: %s: re-planning on the auto arena failed (%s); the first plan's budget is "
-                        "attached again", self.component, exc)
-            chosen, fresh = spec.factory(request(first))
-            fresh.attach()
-        self.engine, self.preset = fresh, chosen
-        log.info("ddo_blocks: %s: re-planned on the auto arena with %s", self.component, fmt_bytes(new))
+            _, self.engine = build(fallback_budget, None)
+            return exc
+        return None
 
     # -- re-planning with measured compute -------------------------------------------------------------
     def replan(self, min_gain: float = REPLAN_MIN_GAIN) -> bool:
@@ -193,24 +191,11 @@ class OffloadHandle:
             )
         if better["same_plan"] or better["gain"] is None or better["gain"] < min_gain or self._rebuild is None:
             return False
-        spec, options = self._rebuild
-        old = self.engine
-        measured = better["measured"]
-        old.detach()
-        try:
-            chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, self.vram_budget,
-                                                       self.device, dict(options), None, measured,
-                                                       component=self.component))
-            fresh.attach()
-        except DdoError as exc:
+        failed = self._attach_again(self.vram_budget, measured=better["measured"], fallback_budget=self.vram_budget)
+        if failed is not None:
             log.warning("ddo_blocks: %s: re-planning failed (%s); the earlier plan is attached again", self.component,
-                        exc)
-            chosen, fresh = spec.factory(EngineRequest(self.module, self.requested_preset, self.vram_budget,
-                                                       self.device, dict(options), None, component=self.component))
-            fresh.attach()
-            self.engine = fresh
+                        failed)
             return False
-        self.engine, self.preset = fresh, chosen
         log.info("ddo_blocks: %s re-planned with measured compute: predicted %.4f s against %.4f s",
                  self.component, better["predicted_step_s"], better["current_predicted_step_s"])
         return True
