@@ -92,13 +92,14 @@ class _Phases:
         self.first: float | None = None
         self.last: float | None = None
         self.used_peak = 0
+        self.filled = _FILLED.get(device.index or 0, 0) if device.type == "cuda" else 0
         self._hooks = [denoiser.register_forward_pre_hook(self._pre), denoiser.register_forward_hook(self._post)]
 
     def _mark(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            self.used_peak = max(self.used_peak, total - free)
+            self.used_peak = max(self.used_peak, total - free - self.filled)
         return time.perf_counter()
 
     def _pre(self, *_: Any) -> None:
@@ -155,7 +156,27 @@ def _generations(pipe: Any, device: torch.device, call: dict[str, Any], n: int, 
 
 
 def _peak(device: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) - _FILLED.get(device.index or 0, 0)
+
+
+_FILLED: dict[int, int] = {}
+"""Bytes of the card filler (``--card``) per device index: taken off every peak reported."""
+
+
+def _fill_card(device: torch.device, card_gib: float | None) -> torch.Tensor | None:
+    """Leave only ``card_gib`` GiB free on the device (a smaller card, simulated) with one filler
+    tensor, counted out of the peaks; ``None``: the whole card."""
+    if card_gib is None or device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    blocked = free - int(card_gib * 2**30)
+    if blocked <= 0:
+        return None
+    _FILLED[device.index or 0] = blocked
+    return torch.empty(blocked, dtype=torch.uint8, device=device)
 
 
 def _reset(device: torch.device) -> None:
@@ -207,6 +228,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows.append({"pipeline": "all components resident", "route": "resident", "vram_budget": None,
                  "generations": gens, **peaks, "host_rss_over_baseline": 0, "exact": True})
     pipe.to("cpu")
+    filler = _fill_card(device, args.card)  # noqa: F841 (held for the offloaded rows)
+    doc["card_gib"] = args.card
     written()
 
     presets = {"linear": "auto", "vmm": "vmm_fast"}
@@ -423,6 +446,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# A classic FluxPipeline, generation after generation ({doc['machine']})", "",
              f"- date: {doc['date']}; commit: {doc['commit']}; command: `{doc['command']}`",
              "- weights: " + ", ".join(f"{n} {fmt_bytes(b)}" for n, b in doc["weights"].items()),
+             *([f"- card: {doc['card_gib']:g} GiB left free for the offloaded rows (a filler tensor, left out of every "
+                "peak)"] if doc.get("card_gib") else []),
              f"- call: {json.dumps(doc['call'])}; generations with the prompts {doc['prompts']} in turn, seed 0",
              "- encode = call start to the first denoiser step, denoise = first step to the last, decode = the rest; "
              "the device is synchronised at every step boundary; uploaded = bytes sent to the device in that generation",
@@ -474,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generations", type=int, default=3, help="generations in a row, each with its own prompt")
     p.add_argument("--slow-peer-steps", type=int, default=2,
                    help="steps run by a slow peer (sequential CPU offload), its denoise scaled to --steps")
+    p.add_argument("--card", type=float, default=None,
+                   help="GiB left free for the offloaded rows (a smaller card, simulated by a filler tensor that "
+                        "the peaks leave out; the resident row runs on the whole card); default: the whole card")
     p.add_argument("--tiny", action="store_true", help="ddo_blocks' tiny components (CPU, tests)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
