@@ -238,13 +238,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [r for r in asked if r not in ours and r not in PEERS]
     if unknown:
         raise SystemExit(f"--routes takes {', '.join([*presets, *PEERS])} (ours with +fixed or +tiered: the "
-                         f"denoiser's codec), got {', '.join(unknown)}")
+                         f"denoiser's codec; linear+graph: its CUDA graphs), got {', '.join(unknown)}")
     for route in ours:
-        base, _, codec = route.partition("+")
+        base, *suffixes = route.split("+")
+        codecs = [s for s in suffixes if s != "graph"]
+        denoiser_options: dict[str, Any] = {"codec": codecs[0]} if codecs else {}
+        if "graph" in suffixes:
+            denoiser_options["graph"] = True
         for budget in budgets:
             _reset(device)
             t1 = time.perf_counter()
-            own = {_denoiser_name(pipe): {"route": base, "codec": codec}} if codec else {}
+            own = {_denoiser_name(pipe): {"route": base, **denoiser_options}} if denoiser_options else {}
             try:
                 off = ddo_blocks.offload_pipeline(pipe, vram_budget=budget, device=device, preset=presets[base], **own)
             except ddo_blocks.DdoError as exc:
@@ -258,11 +262,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 images, gens, peaks = _generations(pipe, device, call, args.generations, off)
                 reports = {n: r.to_dict() for n, r in off.report().items()}
                 arena = reports.get("transformer", {}).get("arena")
+                graph = reports.get("transformer", {}).get("graph")
                 rows.append({
                     "pipeline": f"offload_pipeline {route}", "route": route, "vram_budget": budget,
                     "setup_s": setup_s, "generations": gens, **peaks, "host_rss_over_baseline": rss,
                     "arena_peak_bytes": arena["peak_device_bytes"] if arena else None,
                     "arena": arena,
+                    "graph": graph,
                     "peak_device_weights": arena["peak_device_bytes"] if arena else off.gpu_bytes,
                     "policies": {n: p.describe() for n, p in off.policies.items()},
                     "exact": all(torch.equal(a, b) for a, b in zip(images, refs)),

@@ -106,12 +106,20 @@ def _files_hint(route: Any) -> str:
 REPLAN = "replan"
 """The ``+replan`` suffix of an ``ours`` row: ``handle.replan()`` after two calls, before the timing."""
 
+GRAPH = "graph"
+"""The ``+graph`` suffix of an ``ours`` row: ``graph=True`` (steady calls replayed as CUDA graphs)."""
+
+
+def wants_graph(sub: str) -> bool:
+    return GRAPH in sub.split("+")[1:]
+
 
 def split_options(sub: str) -> tuple[str, str, bool]:
-    """``PRESET[+CODEC][+replan]`` (``one_shot_fast+fixed+replan``) -> ``(PRESET, CODEC, replan)``."""
+    """``PRESET[+CODEC][+replan][+graph]`` (``one_shot_fast+fixed+replan``) -> ``(PRESET, CODEC,
+    replan)``; :func:`wants_graph` reads ``+graph``."""
     preset, *rest = sub.split("+")
     replan = REPLAN in rest
-    codecs = [r for r in rest if r != REPLAN]
+    codecs = [r for r in rest if r not in (REPLAN, GRAPH)]
     return preset, (codecs[0] if codecs else "off") if len(codecs) <= 1 else "+".join(codecs), replan
 
 
@@ -202,7 +210,8 @@ def _ours_specs(sub: str, budgets: list[tuple[str, int]]) -> list[dict[str, Any]
     preset, codec, replan = split_options(sub)
     route = our_presets()[preset]
     keep_warm = preset in route.preset_map and route.preset_map[preset].keep_warm
-    return [_spec(OURS, preset, b, ddo_blocks_route=route.name, keep_warm=keep_warm, codec=codec, replan=replan)
+    return [_spec(OURS, preset, b, ddo_blocks_route=route.name, keep_warm=keep_warm, codec=codec, replan=replan,
+                  graph=wants_graph(sub))
             for b in budgets]
 
 
@@ -243,7 +252,7 @@ def make_specs(
     unique: dict[str, dict[str, Any]] = {}
     for s in specs:
         sub = ((s["preset"] or s["offload_type"] or "") + (f"+{s['codec']}" if s.get("codec", "off") != "off" else "")
-               + (f"+{REPLAN}" if s.get("replan") else ""))
+               + (f"+{REPLAN}" if s.get("replan") else "") + (f"+{GRAPH}" if s.get("graph") else ""))
         s["selector"] = f"{s['route']}:{sub}" if s["route"] != "resident" else "resident"
         s["id"] = _safe("-".join(str(x) for x in (s["route"], sub, s["budget"]) if x))
         unique.setdefault(s["id"], s)  # the same route and budget asked twice (ours:X and ours:X@B) runs once

@@ -300,9 +300,11 @@ def _offload_ours(model, spec, dev):
     from ddo_blocks.streaming import coded
 
     codec = spec.get("codec", "off")
-    options = {"codec": codec} if codec != "off" else {}
+    options: dict[str, Any] = {"codec": codec} if codec != "off" else {}
+    if spec.get("graph"):
+        options["graph"] = True
     budget = spec["budget_bytes"]
-    if spec.get("budget") == "min" and options:
+    if spec.get("budget") == "min" and codec != "off":
         # the same plan as the uncompressed row at 'min', plus the codec's landing buffers
         budget += coded.reserve_bytes(model, codec, torch.device(dev))
     return ddo_blocks.offload(
@@ -325,6 +327,7 @@ def _attach_ours(model, spec, dev, ctx) -> Attached:
         "predicted_step_s": rep["plan"].get("predicted_step_s"),
         "preset_resolved": rep.get("preset"),
         "staging_threads": getattr(handle.preset, "staging_threads", None),
+        "graph": bool(spec.get("graph")),
     }
     state = {"handle": handle}
 
@@ -334,7 +337,8 @@ def _attach_ours(model, spec, dev, ctx) -> Attached:
             "pinned_bytes": r["memory"].get("pinned_bytes"),
             "pinned_source": "ddo_blocks report memory.pinned_bytes",
             "predicted_step_s": r["plan"].get("predicted_step_s"),
-            "report": {k: r.get(k) for k in ("preset", "plan", "setup", "runtime", "roofline", "memory", "codec")},
+            "report": {k: r.get(k) for k in ("preset", "plan", "setup", "runtime", "roofline", "memory", "codec",
+                                             "graph")},
         }
         return extra
 
@@ -498,8 +502,15 @@ def _setup_peak(dev, row: dict[str, Any]) -> Callable[[], None]:
 
 def _step(attached: Attached, inputs, dev, ctx, row: dict[str, Any]) -> None:
     """The first call, the warm-up and the timed calls: ``first_call_s`` and the step."""
-    timing = time_forward(attached.module, inputs, dev, warmup=ctx["warmup"], repeats=ctx["repeats"],
+    warmup = ctx["warmup"]
+    if attached.info.get("graph"):  # the eager calls before the first capture, and the capture
+        from ddo_blocks.streaming.graph import WARMUP_CALLS
+
+        warmup = max(warmup, WARMUP_CALLS + 1)
+    timing = time_forward(attached.module, inputs, dev, warmup=warmup, repeats=ctx["repeats"],
                           after_warmup=_setup_peak(dev, row))
+    row["warmup_calls"] = warmup
+    row["host_call_s"] = statistics.median(timing.host_times) if timing.host_times else None
     row["first_call_s"] = timing.first_call_s
     row["step_s"] = timing.step_s
     row["step_s_all"] = timing.times

@@ -136,6 +136,8 @@ def test_codec_rows_run_beside_the_uncompressed_ones_and_a_bad_codec_is_refused(
     assert rows.split_options("one_shot_fast+tiered+replan") == ("one_shot_fast", "tiered", True)
     assert rows.split_options("one_shot_fast+replan") == ("one_shot_fast", "off", True)
     assert rows.split_options("one_shot_fast") == ("one_shot_fast", "off", False)
+    assert rows.split_options("one_shot_fast+graph") == ("one_shot_fast", "off", False)
+    assert rows.wants_graph("one_shot_fast+graph") and not rows.wants_graph("one_shot_fast+tiered")
     (spec,) = rows.make_specs(rows.expand_routes("ours:one_shot_fast+fixed+replan"), budgets[:1], [])
     assert spec["replan"] and spec["codec"] == "fixed" and spec["id"] == "ours-one_shot_fast_fixed_replan-min"
 

@@ -571,6 +571,82 @@ def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypa
     arena.close()
 
 
+@pytest.mark.parametrize("second", ["vae", "streamed"])
+def test_an_auto_arena_member_replans_beside_a_denoiser_larger_than_its_phase(flux, vae, monkeypatch, second):
+    """The H200 run of 78c66cf: on a 16 GiB card the transformer re-planned with its phase (free less
+    small activations), then the VAE's first call measured a phase smaller than the transformer's working
+    set but larger than the VAE's first plan: its re-plan was refused ("cannot hold transformer's working
+    set") and so was the fallback, inside the pipeline's call. A member's working set has to fit its own
+    phase, not the phase in force (``streamed``: a second member that streams at the first budget and is
+    planned again), and a member with nothing streamed is not planned again (``vae``)."""
+    from ddo_blocks import autobudget
+    from ddo_blocks.tiny import tiny_flux_transformer
+
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
+    free = 21 * slack(bf["all_resident"], flux) // 20  # the denoiser's phase holds it whole
+    headroom = 0
+    if second == "vae":
+        other = vae
+
+        def call():
+            return vae.decode(lat).sample
+
+        want = dec
+    else:  # a second transformer, streamed at the first budget (half the free memory)
+        other = tiny_flux_transformer(seed=1)
+        from ddo_blocks.units import span_nbytes, split_units
+
+        headroom = 2 * sum(span_nbytes(p) for _, p in split_units(flux)[1])  # the late joiner's fixed bytes
+        free += 2 * headroom
+        y = flux_inputs(other, seed=2)
+
+        def call():
+            return other(**y)[0]
+
+        with torch.no_grad():
+            want = call()
+    acts = {"transformer": free // 50, "other": free * (3 if second == "vae" else 55) // (10 if second == "vae" else 100)}
+    monkeypatch.setattr(autobudget, "free_bytes", lambda device: free)
+    monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
+    monkeypatch.setattr(autobudget, "MARGIN_FRACTION", 0.0)
+    owner: list[str] = []
+
+    class FakePeak:
+        def __init__(self, device):
+            pass
+
+        def start(self):
+            pass
+
+        def finish(self):
+            return acts[owner[-1]]
+
+    monkeypatch.setattr(autobudget, "CallPeak", FakePeak)
+    arena = Arena("auto", headroom=headroom, _backend=HostChunks(CHUNK, free))
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    ho = ddo_blocks.offload(other, route="vmm", arena=arena, device="cpu", component="other")
+    assert bool(ho.engine.streamed) == (second == "streamed")
+    first_other = ho.engine.budget
+    owner.append("transformer")
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    mf = next(m for m in arena.members if m.name == "transformer")
+    assert mf.working_chunks() * CHUNK > free - acts["other"]  # larger than the other's phase
+    owner.append("other")
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(call(), want)
+    assert ho.engine.attached and hf.engine.attached
+    assert (ho.engine.budget != first_other) == (second == "streamed")  # planned again with its phase
+    assert arena.mapped_chunks() * CHUNK + arena.fixed_bytes <= arena.budget
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+        assert torch.equal(call(), want)
+    ho.remove()
+    hf.remove()
+    arena.close()
+
+
 def test_a_failed_replan_on_the_auto_arena_attaches_the_first_budget_again(flux, vae, monkeypatch):
     from ddo_blocks import autobudget, routes
 

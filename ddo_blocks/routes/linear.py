@@ -9,6 +9,7 @@ import platform
 
 import psutil
 
+from ..errors import ConfigError
 from ..units import span_nbytes, split_units
 from .spec import Engine, EngineRequest, HostMode, Preset, RouteSpec, refuse_unknown, staging_threads
 
@@ -88,7 +89,10 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
 
     units = plan.check_granularity(req.options.pop("units", "auto"))
     codec = req.options.pop("codec", "off")
-    refuse_unknown("linear", req.options, ("units", "codec"))
+    graph = req.options.pop("graph", False)
+    if not isinstance(graph, bool):
+        raise ConfigError(f"graph={graph!r}: pass graph=True (replay steady calls as CUDA graphs) or graph=False")
+    refuse_unknown("linear", req.options, ("units", "codec", "graph"))
     if req.preset == "auto":
         streamed = sum(span_nbytes(p) for u in split_units(req.module)[0] for _, p in u.params)
         chosen = auto(streamed, psutil.virtual_memory().total)
@@ -100,9 +104,9 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
         return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, measured=req.measured,
                                        store=coded.CodedSlabs.for_codec(codec), loader=req.loader, units=units,
                                        reserve_bytes=coded.reserve_bytes(req.module, codec, req.device),
-                                       link_bytes=coded.link_bytes_estimate(codec))
+                                       link_bytes=coded.link_bytes_estimate(codec), graph=graph)
     return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, measured=req.measured, store=stores.HostSlabs,
-                                   loader=req.loader, units=units)
+                                   loader=req.loader, units=units, graph=graph)
 
 
 SPEC = RouteSpec(
@@ -110,7 +114,7 @@ SPEC = RouteSpec(
     summary="stream the blocks that do not fit through GPU slots from host slabs",
     presets=PRESETS,
     factory=factory,
-    options=("units", "codec"),
+    options=("units", "codec", "graph"),
     auto=auto,
     auto_summary="wsl_compat under WSL, else one_shot_fast when the streamed weights are at most half the RAM, "
                  "else low_ram_safe",

@@ -312,6 +312,13 @@ class Arena:
     def mapped_chunks(self) -> int:
         return sum(m.mapped_chunks() for m in self.members)
 
+    def member_cap_chunks(self, member: Member) -> int:
+        """The chunks ``member``'s own calls may map: the fixed budget's cap, or with ``"auto"`` its
+        phase's (another member's phase may be smaller: that member's calls evict part of it)."""
+        if self.auto is None:
+            return self.cap_chunks
+        return max(0, (self.auto.phase_budget(member.name) - self.fixed_bytes) // self.chunk_bytes)
+
     def join(self, member: Member) -> None:
         """Adds a member (at its attach): every member's own working set must still fit beside the
         others' fixed bytes, or the attach is refused."""
@@ -325,8 +332,8 @@ class Arena:
             self.expected.pop(member.name, None)
             member.busy += 1  # attaching: not evicted until its attach is done (ArenaSlots.ready)
             self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
-            worst = max(self.members, key=lambda m: m.working_chunks())
-            if worst.working_chunks() > self.cap_chunks:
+            worst = max(self.members, key=lambda m: m.working_chunks() - self.member_cap_chunks(m))
+            if worst.working_chunks() > self.member_cap_chunks(worst):
                 fixed = self.fixed_bytes
                 need = worst.working_chunks() * self.chunk_bytes + fixed
                 self.members.remove(member)
@@ -776,6 +783,10 @@ class ArenaSlots(TorchSlots):
 
     places_resident = True
 
+    def graph_blocker(self) -> str | None:
+        return ("the vmm arena maps pages and restores evicted units at a call's start, which a CUDA graph "
+                "cannot replay: use route='linear' for graph=True")
+
     def __init__(self, engine: Any, arena: Arena, name: str, extra_fixed: int = 0):
         super().__init__(engine.device)
         self.engine = engine
@@ -801,7 +812,8 @@ class ArenaSlots(TorchSlots):
         from ..autobudget import REPLAN_GAIN
 
         arena, m = self.member.arena, self.member
-        if arena.auto is None or not planned_with_whole_arena or m.name not in arena.auto.activations:
+        if (arena.auto is None or not planned_with_whole_arena or m.name not in arena.auto.activations
+                or not self.engine.streamed):  # all resident already: a larger budget changes nothing
             return None
         new = arena.auto.phase_budget(m.name) - (arena.fixed_bytes - m.fixed_bytes)
         return new if new >= self.engine.budget * (1 + REPLAN_GAIN) else None

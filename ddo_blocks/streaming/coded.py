@@ -273,6 +273,10 @@ class CodedSlabs(InMemoryStore):
         return transport
 
     # -- the pipeline ------------------------------------------------------------------------------
+    def graph_blocker(self) -> str | None:
+        return (f"codec={self.codec!r} decodes on a stream of its own whose landing-buffer events a CUDA graph "
+                "capture cannot wait on yet: use codec='off' with graph=True")
+
     def fetch(self, transport: Any, u: int, slot: int, dst: int) -> None:
         transport.fetch_coded(slot, dst, self._ids[u])
 

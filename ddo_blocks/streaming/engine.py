@@ -58,6 +58,8 @@ class StreamingEngine:
             ``arena.ArenaSlots``, which also places the resident units).
         reserve_for: what ``reserve_bytes`` is and what else would work, for the errors (default: a
             codec's landing buffers).
+        graph: replay steady calls as CUDA graphs (``graph.py``); where the parts cannot
+            (:meth:`graph_blocker`), calls run eagerly and the report says why.
     """
 
     owns_placement = True
@@ -69,7 +71,7 @@ class StreamingEngine:
                  compute_bytes: plan.ComputeBytes | None = None,
                  extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None,
                  measured: plan.Measured | None = None, slots: Callable[[StreamingEngine], Any] | None = None,
-                 reserve_for: tuple[str, str] | None = None):
+                 reserve_for: tuple[str, str] | None = None, graph: bool = False):
         self.module = module
         self.preset = preset
         self.budget = budget
@@ -116,6 +118,10 @@ class StreamingEngine:
             ) from exc
         self._stream = compute_stream(device)
         self._measured_plan: tuple[Any, dict[str, Any] | None] | None = None
+        self.graph_requested = graph
+        self.graph_bytes = 0
+        """Bytes graph replays moved, less those their captures counted without moving them."""
+        self._prewaited: set[int] | None = None
         self.on_call_start: Callable[[], None] | None = None
         self.after_entry_call: Callable[[], None] | None = None
         """Set by the handle of a ``vram_budget="auto"`` offload: its first call's measurement."""
@@ -159,6 +165,10 @@ class StreamingEngine:
         self._attached = True
         self.scheduler.start(self.slots.n_slots)
         self.slots.ready()  # evictable from here: its first prefetches are queued
+        if self.graph_requested:
+            from .graph import GraphRunner
+
+            self.scheduler.graph = GraphRunner(self.scheduler, self)
         self.setup_s = time.perf_counter() - t0
 
     def _place_resident(self) -> None:
@@ -260,9 +270,14 @@ class StreamingEngine:
     # what the scheduler drives
     # ---------------------------------------------------------------------------------------------
     def fetch(self, u: int, slot: int) -> None:
+        if self._prewaited is not None:
+            self._prewaited.discard(slot)  # a new fetch into the slot: its arrival is the capture's
         self.store.fetch(self.transport, u, slot, self.slots.address(slot))
 
     def acquire(self, slot: int) -> None:
+        if self._prewaited is not None and slot in self._prewaited:
+            self._prewaited.discard(slot)  # arrived before the capture: waited for outside it
+            return
         self.transport.acquire(slot, self._stream())
 
     def release(self, slot: int) -> None:
@@ -276,7 +291,51 @@ class StreamingEngine:
             p.data = v
 
     def bytes_moved(self) -> int:
-        return self.transport.stats()[1] if self.transport is not None else 0
+        return (self.transport.stats()[1] if self.transport is not None else 0) + self.graph_bytes
+
+    # ---------------------------------------------------------------------------------------------
+    # CUDA graphs (graph.py)
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        return self._copy_stream if self.streamed else None
+
+    def graph_blocker(self) -> str | None:
+        """Why this engine's calls cannot be replayed as CUDA graphs (``None``: they can)."""
+        if self.device.type != "cuda":
+            return "CUDA graphs need a CUDA device: calls run eagerly"
+        if not self.streamed:
+            return None
+        for part in (self.store, self.slots):
+            blocker = getattr(part, "graph_blocker", None)
+            why = blocker() if blocker is not None else f"{type(part).__name__} has no CUDA graph support"
+            if why is not None:
+                return why
+        return None
+
+    def begin_capture(self, stream: torch.cuda.Stream | None) -> None:
+        """Before a capture on ``stream``: it waits (outside the capture) for the units in flight,
+        whose waits the capture then skips (their copies were queued before it began)."""
+        inflight = self.scheduler.inflight_state()[0]
+        if self.transport is not None and stream is not None:
+            for _, slot in inflight:
+                self.transport.acquire(slot, stream.cuda_stream)
+        self._prewaited = {slot for _, slot in inflight}
+
+    def end_capture(self) -> None:
+        self._prewaited = None
+
+    def before_replay(self, start: tuple) -> None:
+        """The launch stream waits for the units a replay starts with (fetched eagerly, or by the
+        previous replay: then already met)."""
+        if self.transport is not None:
+            for _, slot in start[0]:
+                self.transport.acquire(slot, self._stream())
+
+    def after_replay(self) -> None:
+        """Every slot consumed and arrived after the graph: later fetches and calls wait for it."""
+        if self.transport is not None:
+            self.transport.fence_slots(self._stream())
 
     def call_started(self) -> None:
         self.store.call_started(self.transport)
@@ -458,6 +517,9 @@ class StreamingEngine:
                 for c in calls
             ],
         }
+        if self.graph_requested:
+            runner = self.scheduler.graph
+            sections["graph"] = runner.section() if runner is not None else {"enabled": True, "status": "detached"}
         better = self.measured_plan()
         if better is not None:
             sections["plan"].update(measured_plan_step_s=better["predicted_step_s"], measured_plan_gain=better["gain"],

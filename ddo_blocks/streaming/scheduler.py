@@ -149,6 +149,8 @@ class Scheduler:
         self.calibration: Calibration | None = None
         self._calibrating = False
         self._suspended = False
+        self.graph: Any = None
+        """The component's ``graph.GraphRunner`` (``graph=True``): entry calls go through it."""
 
     # ---------------------------------------------------------------------------------------------
     # installing and removing
@@ -179,6 +181,9 @@ class Scheduler:
     def uninstall(self) -> None:
         """Removes the hooks and entry wrappers; safe on a partial install."""
         self.active = False
+        if self.graph is not None:
+            self.graph.close()
+            self.graph = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -202,17 +207,24 @@ class Scheduler:
             with sched.lock:
                 if not sched.active:  # removed while this thread waited for the lock
                     return method(*args, **kwargs)
-                sched.enter()
-                clean = False
-                try:
-                    out = method(*args, **kwargs)
-                    clean = True
-                    return out
-                finally:
-                    sched.exit(clean)
+                if sched.graph is not None and sched.depth == 0:
+                    return sched.graph.call(method, args, kwargs)
+                return sched.eager_call(method, args, kwargs)
 
         _ENTRIES.add(entry)
         return entry
+
+    def eager_call(self, method: Callable[..., Any], args: tuple, kwargs: dict, capturing: bool = False) -> Any:
+        """One call through an entry point, its units' hooks running (``capturing``: inside a CUDA
+        graph capture, which records no timing events)."""
+        self.enter(capturing)
+        clean = False
+        try:
+            out = method(*args, **kwargs)
+            clean = True
+            return out
+        finally:
+            self.exit(clean, capturing)
 
     # ---------------------------------------------------------------------------------------------
     # the in-flight queue
@@ -253,6 +265,25 @@ class Scheduler:
     def _drop_inflight(self) -> None:
         while self._inflight:
             self._free.append(self._inflight.popleft()[1])
+
+    def inflight_state(self) -> tuple:
+        """The in-flight ``(unit, slot)`` pairs, the next unit to fetch, the free slots: what a graph
+        replay starts from and ends in."""
+        return tuple(self._inflight), self._next, tuple(self._free)
+
+    def set_inflight(self, state: tuple) -> None:
+        """Sets the in-flight state a graph replay ended in (no hook ran to move it there)."""
+        inflight, nxt, free = state
+        self._inflight = collections.deque(inflight)
+        self._next = nxt
+        self._free = collections.deque(free)
+
+    def refetch_inflight(self) -> None:
+        """Forgets the in-flight units and fetches the next call's first units again (after a
+        failed graph capture, whose fetches never ran)."""
+        self._drop_inflight()
+        self._next = 0
+        self.topup()
 
     def _make_pre(self, u: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -346,21 +377,25 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------------
     # calls
     # ---------------------------------------------------------------------------------------------
-    def enter(self) -> None:
+    def check_call(self) -> None:
+        """The checks at the start of every call: inference only, no offloading on top."""
+        if torch.is_grad_enabled() and any(p.requires_grad for u in self.streamed for _, p in u.params):
+            raise OffloadStateError(
+                f"{type(self.module).__name__} is offloaded for inference, but autograd is on and its streamed "
+                "parameters require grad: backward would read weights from slots the next units reuse. Run it "
+                "under torch.no_grad() or torch.inference_mode(), or call module.requires_grad_(False)"
+            )
+        on_top = guards.offload_on_top(self.module)
+        if on_top is not None:
+            raise OffloadStateError(
+                f"{type(self.module).__name__} is offloaded by ddo_blocks, and {on_top} was applied on top: "
+                "the two would move the same weights. Remove the other offloading, or call remove() on "
+                "the ddo_blocks handle (it restores the weights) and apply only one of them"
+            )
+
+    def enter(self, capturing: bool = False) -> None:
         if self.depth == 0:
-            if torch.is_grad_enabled() and any(p.requires_grad for u in self.streamed for _, p in u.params):
-                raise OffloadStateError(
-                    f"{type(self.module).__name__} is offloaded for inference, but autograd is on and its streamed "
-                    "parameters require grad: backward would read weights from slots the next units reuse. Run it "
-                    "under torch.no_grad() or torch.inference_mode(), or call module.requires_grad_(False)"
-                )
-            on_top = guards.offload_on_top(self.module)
-            if on_top is not None:
-                raise OffloadStateError(
-                    f"{type(self.module).__name__} is offloaded by ddo_blocks, and {on_top} was applied on top: "
-                    "the two would move the same weights. Remove the other offloading, or call remove() on "
-                    "the ddo_blocks handle (it restores the weights) and apply only one of them"
-                )
+            self.check_call()
         self.depth += 1
         if self.depth > 1:
             return
@@ -380,13 +415,13 @@ class Scheduler:
         self._calls_started += 1
         self._call_misses0 = self.stats.misses
         self._call_bytes0 = self.pipeline.bytes_moved()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not capturing:
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.device))
             self._call_event = start
         self._call_t0 = time.perf_counter()
 
-    def exit(self, clean: bool = True) -> None:
+    def exit(self, clean: bool = True, capturing: bool = False) -> None:
         self.depth -= 1
         if self.depth > 0:
             return
@@ -401,13 +436,12 @@ class Scheduler:
         nbytes = self.pipeline.bytes_moved() - self._call_bytes0
         misses = self.stats.misses - self._call_misses0
         host_s = time.perf_counter() - self._call_t0
-        if self.device.type == "cuda":
+        if capturing:
+            pass  # a capture runs nothing: its replay is the call that gets a record
+        elif self.device.type == "cuda":
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.device))
-            self._pending_cuda_calls.append((self._call_event, end, nbytes, misses, host_s))
-            if len(self._pending_cuda_calls) > _MAX_PENDING_CALLS:  # long done: resolving waits for nothing
-                self._resolve_calls(self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2])
-                del self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2]
+            self._record_cuda_call(self._call_event, end, nbytes, misses, host_s)
         else:
             self.stats.calls.append(CallRecord(host_s, nbytes, misses, host_s))
         if clean and self._trace and self._trace != self.sched:
@@ -424,6 +458,21 @@ class Scheduler:
             self.topup()
         self.pipeline.call_finished()
         self.pipeline.entry_call_done()
+
+    def _record_cuda_call(self, start: Any, end: Any, nbytes: int, misses: int, host_s: float) -> None:
+        self._pending_cuda_calls.append((start, end, nbytes, misses, host_s))
+        if len(self._pending_cuda_calls) > _MAX_PENDING_CALLS:  # long done: resolving waits for nothing
+            self._resolve_calls(self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2])
+            del self._pending_cuda_calls[: -_MAX_PENDING_CALLS // 2]
+
+    def record_replay(self, start: Any, end: Any, nbytes: int, host_s: float) -> None:
+        """The record of a call that was a graph replay (CUDA events around it; ``None`` on the CPU)."""
+        self._calls_started += 1
+        self.last_call_clean = True
+        if start is not None:
+            self._record_cuda_call(start, end, nbytes, 0, host_s)
+        else:
+            self.stats.calls.append(CallRecord(host_s, nbytes, 0, host_s))
 
     def _resolve_calls(self, pending: list[tuple[Any, Any, int, int, float]]) -> None:
         for start, end, nbytes, misses, host_s in pending:

@@ -55,6 +55,10 @@ class TorchSlots:
     def call_started(self) -> None:
         pass
 
+    def graph_blocker(self) -> str | None:
+        """Why calls on these slots cannot be CUDA graphs (``None``: fixed slots, they can)."""
+        return None
+
     def call_finished(self) -> None:
         pass
 

@@ -150,6 +150,16 @@ class HostSlabs(InMemoryStore):
     def fetch(self, transport: Any, u: int, slot: int, dst: int) -> None:
         transport.fetch(slot, dst, self.slabs.unit_ptr(u), self.slabs.unit_nbytes[u])
 
+    def graph_blocker(self) -> str | None:
+        p = self.engine.preset
+        if self.staged:
+            return (f"preset {p.name!r} copies through a staging ring on a host thread, which a CUDA graph cannot "
+                    "replay: use preset='one_shot_fast'")
+        if not self.pin:
+            return (f"preset {p.name!r} keeps the host slabs pageable; a CUDA graph copies from page-locked memory "
+                    "only: use preset='one_shot_fast'")
+        return None
+
     def host_views(self, u: int) -> list[torch.Tensor]:
         return self.slabs.host_views[u]
 
@@ -176,6 +186,9 @@ class FileStore:
     """Streamed units from a RAM cache or from their safetensors files (the NVMe route)."""
 
     device_bytes = 0
+
+    def graph_blocker(self) -> str | None:
+        return "the NVMe route reads its units on host threads, which a CUDA graph cannot replay"
 
     def __init__(self, engine: Any, *, ram_budget: int | None, ram_auto: bool):
         self.engine = engine

@@ -418,6 +418,20 @@ impl Transport {
         self.lane.release(slot, compute_stream)
     }
 
+    /// Marks every slot as both consumed and arrived by the work queued so far on `stream`: after
+    /// work this transport's events did not see wrote and read the slots (a CUDA graph replaying
+    /// fetches and their consumers), the next fetch into a slot waits for that work, and so does
+    /// a consumer on any stream. Nothing to do on the CPU target.
+    pub fn fence_slots(&mut self, stream: Stream) -> Result<()> {
+        self.errors.check()?;
+        let _ctx = self.bind()?;
+        for slot in 0..self.slots {
+            self.lane.release(slot, stream)?;
+            self.lane.record_arrived_on(slot, stream)?;
+        }
+        Ok(())
+    }
+
     /// Blocks until every fetch issued so far has completed (used before slots or sources are freed).
     /// A staging error is returned only after the copy stream has drained too.
     pub fn drain(&mut self) -> Result<()> {
@@ -795,6 +809,26 @@ mod tests {
             drop(t);
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// After a graph replay the fence marks every slot arrived on the stream it names (and
+    /// consumed there: the recorder does not log releases).
+    #[test]
+    fn fence_slots_marks_every_slot_on_the_stream() {
+        use crate::job::tests::{Op, Recorder};
+        let rec = Arc::new(Recorder::default());
+        let lane: Arc<dyn Lane> = rec.clone();
+        let mut t = Transport::with_lane(Target::Cpu, 3, None, lane, ErrorSlot::default()).unwrap();
+        t.fence_slots(Stream::DEFAULT).unwrap();
+        let h = Stream::DEFAULT.handle();
+        assert_eq!(
+            rec.ops(),
+            vec![
+                Op::ArrivedOn(0, h),
+                Op::ArrivedOn(1, h),
+                Op::ArrivedOn(2, h)
+            ]
+        );
     }
 
     /// A CPU lane whose teardown fails, as destroying a CUDA event can.

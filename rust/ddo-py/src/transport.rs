@@ -288,6 +288,15 @@ impl Transport {
         self.get()?.release(slot, compute).map_err(cuda_err)
     }
 
+    /// Marks every slot consumed and arrived by the work queued so far on `stream` (a
+    /// `cuda_stream` handle): after a CUDA graph replayed fetches and consumers.
+    fn fence_slots(&mut self, stream: u64) -> PyResult<()> {
+        // SAFETY: as for `acquire`: the engine passes the handle of the live stream it launched
+        // the graph on, of the transport's device.
+        let stream = unsafe { Stream::from_raw(stream) };
+        self.get()?.fence_slots(stream).map_err(cuda_err)
+    }
+
     fn drain(&mut self, py: Python<'_>) -> PyResult<()> {
         let t = self.get()?;
         py.detach(|| t.drain()).map_err(cuda_err)

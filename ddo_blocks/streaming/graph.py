@@ -1,0 +1,320 @@
+"""CUDA-graph replay of a streamed component's calls (``graph=True`` on the linear route).
+
+After a few eager calls (the order learned on the first, the calibration on the second, one steady
+call), a call whose inputs have the same shapes, dtypes and non-tensor values as the one before is
+captured into a CUDA graph: the model's kernels, every fetch into a slot on the copy stream (forked
+from the capturing stream and joined back), the events between them. Later calls with the same
+inputs replay the graph: no Python hook, no launch from the host, the same kernels on the same
+addresses, so the outputs are the eager ones bit for bit.
+
+What makes the replay right:
+
+- **The slots' state.** A call starts with the first units of the order in flight in some slots and
+  ends with the next call's first units in flight, maybe in other slots (``K`` slots, ``n`` units:
+  the mapping turns by ``n mod K``). A graph is kept per start state (the in-flight units, their
+  slots, the next unit to fetch): at most ``K`` graphs, replayed in turn, each ending where the next
+  starts. The scheduler's state is set to the graph's end state after each replay.
+- **Fences.** Before a replay the launch stream waits for the in-flight units' arrival (fetched by
+  an eager call, or by the previous replay: then the wait is already met); after it, every slot is
+  marked consumed and arrived on the launch stream (``Transport.fence_slots``), so an eager fetch or
+  call after a replay waits for the graph.
+- **Inputs and outputs.** Tensor inputs are copied into static tensors the graph reads; outputs are
+  the graph's own tensors, cloned before they are returned (a pipeline may keep one output while it
+  calls again: classifier-free guidance).
+- **Anything else** (a different shape or value, a scheduler that is not in a steady state, a
+  re-plan, an input on another device, autograd on) runs eagerly; a failed capture (a host sync, a
+  data-dependent branch, an allocation the graph cannot make) runs the call eagerly, turns graphs
+  off for the component and says why in the report.
+
+The backend is PyTorch's ``torch.cuda.CUDAGraph`` (one private memory pool per input signature,
+shared by that signature's graphs); the CPU engine has none (the report says so), and the tests
+give the runner a backend that re-runs the captured call instead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+WARMUP_CALLS = 3
+"""Calls a component runs eagerly before its first capture: the order is learned on the first, the
+calibration runs on the second, the third is a steady call."""
+
+MAX_HOST_TIMES = 256
+"""Replays whose host time the report keeps (the most recent)."""
+
+
+@dataclass
+class Captured:
+    """One graph: the call from one start state of the slots to its end state."""
+
+    graph: Any
+    start: tuple
+    end: tuple
+    out: Any
+    """The graph's own outputs (a pytree as the module returned it)."""
+    h2d_bytes: int
+    replays: int = 0
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    eager_calls: int = 0
+    failures: int = 0
+    host_s: list[float] = field(default_factory=list)
+
+
+class TorchGraphs:
+    """``torch.cuda.CUDAGraph`` capture and replay, a private memory pool per input signature."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def new_pool(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, body: Any, stream: torch.cuda.Stream) -> tuple[Any, Any]:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            out = body()
+        return g, out
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+def _signature(leaves: list[Any], spec: Any, device: torch.device) -> tuple[Any, str | None]:
+    """The call's key (tensors by shape, strides, dtype; everything else by value), or ``None`` and
+    why the call cannot be replayed."""
+    parts: list[Any] = [str(spec), torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.device != device:
+                return None, f"an input tensor is on {x.device}, not on {device} (a graph reads device memory only)"
+            if x.requires_grad and torch.is_grad_enabled():
+                return None, "an input requires grad (a graph replays inference only)"
+            parts.append((tuple(x.shape), x.stride(), x.dtype))
+            continue
+        try:
+            hash(x)
+        except TypeError:
+            return None, f"an input of type {type(x).__name__} cannot be compared between calls"
+        parts.append((type(x), x))
+    return tuple(parts), None
+
+
+class GraphRunner:
+    """Runs a streamed component's entry calls eagerly or as graph replays (see the module's text).
+    Called by the scheduler's entry wrapper, under the component's lock, for calls at depth 0."""
+
+    def __init__(self, scheduler: Any, engine: Any, backend: Any = None):
+        self.scheduler = scheduler
+        self.engine = engine
+        self.device = engine.device
+        self.stats = GraphStats()
+        self.off_reason: str | None = engine.graph_blocker()
+        """Why this component never captures (``None``: it may)."""
+        self.reason: str | None = None
+        """Why the last call ran eagerly (``None``: it was a replay, or graphs are off)."""
+        if backend is None and self.off_reason is None:
+            backend = TorchGraphs()
+        self.backend = backend
+        self._key: Any = None
+        self._same_key_calls = 0
+        self._static: list[torch.Tensor] | None = None
+        self._graphs: dict[tuple, Captured] = {}
+        self._side: torch.cuda.Stream | None = None
+
+    # ---------------------------------------------------------------------------------------------
+    def call(self, method: Any, args: tuple, kwargs: dict) -> Any:
+        sched = self.scheduler
+        if self.off_reason is not None:
+            return sched.eager_call(method, args, kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key, why = _signature(leaves, spec, self.device)
+        if key is None or key != self._key:
+            self._forget()
+            self._key = key
+        if key is None:
+            return self._eager(method, args, kwargs, why)
+        state = sched.inflight_state()
+        captured = self._graphs.get(state)
+        if captured is not None:
+            return self._replay(captured, leaves, copy_inputs=True)
+        why = self._not_ready(state)
+        if why is None:
+            out = self._capture(method, leaves, spec, state)
+            if out is not None:
+                return out[0]
+            why = self.reason
+        self._same_key_calls += 1
+        return self._eager(method, args, kwargs, why)
+
+    def _eager(self, method: Any, args: tuple, kwargs: dict, why: str | None) -> Any:
+        self.reason = why
+        self.stats.eager_calls += 1
+        orders = self.scheduler.stats.order_changes
+        try:
+            return self.scheduler.eager_call(method, args, kwargs)
+        finally:
+            if self.scheduler.stats.order_changes != orders:
+                self._same_key_calls = 0  # a new order: one more steady call before a capture
+
+    def _not_ready(self, state: tuple) -> str | None:
+        """Why a call in ``state`` is not captured now (``None``: capture it)."""
+        sched = self.scheduler
+        if sched._calls_started < WARMUP_CALLS or self._same_key_calls < 1:
+            return "warming up (the order, the calibration, one steady call with the same inputs)"
+        if sched._calibrating or (sched.calibration is not None and sched.calibration.end is None):
+            return "warming up (the calibration call)"
+        if not sched.last_call_clean:
+            return "the last call did not finish cleanly"
+        if self.engine.after_entry_call is not None:
+            return "waiting for the first call's measurement (vram_budget='auto')"
+        inflight, _, free = state
+        if self.engine.streamed and (free or len(inflight) != self.engine.slots.n_slots):
+            return "the slots are not in a steady state (a miss or a reorder in the last call)"
+        if len(self._graphs) >= max(1, self.engine.slots.n_slots):
+            return "as many graphs as slot states already: the order is not cyclic"
+        return None
+
+    # ---------------------------------------------------------------------------------------------
+    def _capture(self, method: Any, leaves: list[Any], spec: Any, state: tuple) -> tuple[Any] | None:
+        """Captures this call from ``state`` and replays it once for its outputs; ``None`` (with
+        :attr:`reason`) when the capture failed and the call is to run eagerly."""
+        sched, engine = self.scheduler, self.engine
+        cur = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self._static is None:
+            self._static = [x.detach().clone(memory_format=torch.preserve_format) if isinstance(x, torch.Tensor)
+                            else None for x in leaves]
+        else:
+            self._copy_inputs(leaves)
+        s_args, s_kwargs = pytree.tree_unflatten([s if s is not None else x for s, x in zip(self._static, leaves)],
+                                                 spec)
+        if self.device.type == "cuda" and self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
+        if side is not None:
+            side.wait_stream(cur)
+        bytes0 = engine.bytes_moved()
+        orders = sched.stats.order_changes
+
+        def body() -> Any:
+            copy = engine.copy_stream if side is not None else None
+            if copy is not None:
+                copy.wait_stream(side)  # fork: the copy stream joins the capture
+            done = False
+            try:
+                out = sched.eager_call(method, s_args, s_kwargs, capturing=True)
+                done = True
+            finally:
+                if copy is not None:
+                    try:
+                        side.wait_stream(copy)  # join: the graph ends after its last fetch
+                    except Exception:  # an invalidated capture: the call's own error is the one to see
+                        if done:
+                            raise
+            return out
+
+        engine.begin_capture(side)
+        try:
+            graph, out = self.backend.capture(body, side)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: eager from here, said why
+            self._failed(f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+            return None
+        finally:
+            engine.end_capture()
+        end = sched.inflight_state()
+        if sched.stats.order_changes != orders or not sched.last_call_clean:
+            self._failed("the order changed during the capture", permanent=False)
+            return None
+        h2d = engine.bytes_moved() - bytes0
+        engine.graph_bytes -= h2d  # counted as fetched, but a capture moves nothing: the replays do
+        captured = Captured(graph, state, end, out, h2d)
+        self._graphs[state] = captured
+        self.stats.captures += 1
+        return (self._replay(captured, leaves, copy_inputs=False),)
+
+    def _failed(self, why: str, permanent: bool = True) -> None:
+        """After a capture that did not give a graph: the scheduler's state advanced over copies that
+        never ran, so its in-flight units are fetched again (eagerly) before the call runs."""
+        self.stats.failures += 1
+        self.reason = why
+        if permanent:
+            self.off_reason = why
+        self._forget()
+        self.scheduler.refetch_inflight()
+
+    def _copy_inputs(self, leaves: list[Any]) -> None:
+        assert self._static is not None
+        for s, x in zip(self._static, leaves):
+            if s is not None and x is not s:
+                s.copy_(x)
+
+    def _replay(self, captured: Captured, leaves: list[Any], copy_inputs: bool) -> Any:
+        sched, engine = self.scheduler, self.engine
+        t0 = time.perf_counter()
+        sched.check_call()
+        engine.call_started()
+        try:
+            if copy_inputs:
+                self._copy_inputs(leaves)
+            start = end = None
+            if self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+            engine.before_replay(captured.start)
+            self.backend.replay(captured.graph)
+            engine.after_replay()
+            sched.set_inflight(captured.end)
+            out = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, captured.out)
+            if self.device.type == "cuda":
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
+        finally:
+            engine.call_finished()
+        engine.graph_bytes += captured.h2d_bytes
+        captured.replays += 1
+        self.stats.replays += 1
+        self.reason = None
+        host_s = time.perf_counter() - t0
+        self.stats.host_s.append(host_s)
+        del self.stats.host_s[:-MAX_HOST_TIMES]
+        sched.record_replay(start, end, captured.h2d_bytes, host_s)
+        return out
+
+    # ---------------------------------------------------------------------------------------------
+    def _forget(self) -> None:
+        """Drops the graphs and the static inputs (new inputs, a failure, the offload's removal)."""
+        self._graphs.clear()
+        self._static = None
+        self._same_key_calls = 0
+        if hasattr(self.backend, "new_pool"):
+            self.backend.new_pool()
+
+    def close(self) -> None:
+        self._forget()
+        self._side = None
+
+    def section(self) -> dict[str, Any]:
+        host = self.stats.host_s
+        return {
+            "enabled": True,
+            "status": ("off: " + self.off_reason) if self.off_reason else
+                      ("replaying" if self.reason is None and self.stats.replays else
+                       f"eager: {self.reason}" if self.reason else "waiting for the first calls"),
+            "graphs": len(self._graphs),
+            "captures": self.stats.captures,
+            "replays": self.stats.replays,
+            "eager_calls": self.stats.eager_calls,
+            "capture_failures": self.stats.failures,
+            "host_replay_s": statistics.median(host) if host else None,
+        }

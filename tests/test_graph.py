@@ -1,0 +1,161 @@
+"""``graph=True`` (CUDA-graph replay of steady calls) on the CPU: the option and its refusals, the
+report, and the runner's bookkeeping (signatures, one graph per start state of the slots, the
+scheduler's state after a replay, a failed capture) with a backend that re-runs the captured call
+instead of replaying a graph. The replay itself runs in tests/test_gpu_graph.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+
+import ddo_blocks
+from ddo_blocks.streaming.graph import GraphRunner
+from ddo_blocks.tiny import flux_inputs
+
+
+class RerunGraphs:
+    """A stand-in for ``torch.cuda.CUDAGraph`` on the CPU engine: a capture runs the call's Python
+    (the scheduler's state moves on, as in a capture) but leaves the slots' memory as it was (a
+    capture runs nothing), and keeps the outputs; a replay runs the call again from the state the
+    capture started in and writes its outputs into the kept ones (as a graph writes its own)."""
+
+    def __init__(self, engine, fail: BaseException | None = None):
+        self.engine = engine
+        self.fail = fail
+
+    def capture(self, body, stream):
+        if self.fail is not None:
+            raise self.fail
+        slots = self.engine.slots.storage
+        before = slots.clone()
+        start = self.engine.scheduler.inflight_state()
+        out = body()
+        slots.copy_(before)
+        return (body, out, start), out
+
+    def replay(self, graph):
+        body, kept, start = graph
+        self.engine.scheduler.set_inflight(start)
+        for dst, src in zip(tree_leaves(kept), tree_leaves(body())):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+
+
+def _runner(handle, fail=None):
+    sched = handle.engine.scheduler
+    runner = GraphRunner(sched, handle.engine, backend=RerunGraphs(handle.engine, fail))
+    runner.off_reason = None  # the CPU engine has no graphs: the stand-in takes their place
+    sched.graph = runner
+    return runner
+
+
+def _reference(model, x):
+    with torch.no_grad():
+        return model(**x)[0]
+
+
+def test_graph_on_the_cpu_runs_eagerly_and_says_why(flux):
+    x = flux_inputs(flux)
+    ref = _reference(flux, x)
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(flux(**x)[0], ref)
+    section = handle.report()["graph"]
+    assert section["status"].startswith("off: CUDA graphs need a CUDA device"), section
+    assert section["replays"] == 0 and section["captures"] == 0
+    handle.remove()
+
+
+def test_graph_must_be_a_bool(flux):
+    with pytest.raises(ddo_blocks.ConfigError, match="graph='yes'"):
+        ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph="yes")
+    assert all(p.device.type == "cpu" for p in flux.parameters())
+
+
+@pytest.mark.parametrize("preset", ["low_ram_safe"])
+def test_graph_with_a_staging_ring_is_off_with_the_reason(flux, preset):
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True,
+                                preset=preset)
+    why = handle.engine.graph_blocker()
+    assert why is not None  # on the CPU: no CUDA device; the store's own reason is checked below
+    assert "staging ring" in handle.engine.store.graph_blocker()
+    handle.remove()
+
+
+@pytest.mark.parametrize("units, states", [("child", 1), ("block", 2)])
+def test_replays_are_exact_and_cycle_through_the_slot_states(flux, units, states):
+    x = flux_inputs(flux)
+    ref = _reference(flux, x)
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux, units=units), device="cpu",
+                                graph=True, units=units)
+    runner = _runner(handle)
+    n, k = len(handle.engine.streamed), handle.engine.slots.n_slots
+    assert k // math.gcd(n, k) == states, (n, k)  # the slot mapping turns by n mod k each call
+    with torch.no_grad():
+        outs = [flux(**x)[0] for _ in range(10)]
+    for out in outs:
+        assert torch.equal(out, ref)
+    section = handle.report()["graph"]
+    assert section["captures"] == states, (section, n, k)
+    assert section["replays"] == 10 - 3, section  # three eager warm-up calls
+    assert section["status"] == "replaying"
+    assert section["host_replay_s"] is not None
+    # the scheduler is where an eager call would have left it
+    assert len(handle.engine.scheduler.inflight_state()[0]) == k
+    assert runner.stats.eager_calls == 3
+    # the outputs are the caller's: a later call does not overwrite an earlier output
+    assert outs[5] is not outs[6] and torch.equal(outs[5], ref)
+    handle.remove()
+
+
+def test_new_input_shapes_drop_the_graphs_and_stay_exact(flux):
+    x, y = flux_inputs(flux), flux_inputs(flux, height=4, width=4, seed=3)
+    rx, ry = _reference(flux, x), _reference(flux, y)
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
+    runner = _runner(handle)
+    with torch.no_grad():
+        for _ in range(5):
+            assert torch.equal(flux(**x)[0], rx)
+        assert runner.stats.replays > 0
+        for _ in range(4):
+            assert torch.equal(flux(**y)[0], ry)
+        assert runner.reason is None  # replaying the new shapes again
+        assert torch.equal(flux(**x)[0], rx)
+    assert runner.stats.captures >= 2
+    handle.remove()
+
+
+def test_a_failed_capture_runs_the_call_eagerly_and_turns_graphs_off(flux):
+    x = flux_inputs(flux)
+    ref = _reference(flux, x)
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
+    _runner(handle, fail=RuntimeError("operation not permitted when stream is capturing"))
+    with torch.no_grad():
+        for _ in range(6):
+            assert torch.equal(flux(**x)[0], ref)
+    section = handle.report()["graph"]
+    assert section["capture_failures"] == 1 and section["replays"] == 0
+    assert "operation not permitted" in section["status"] and section["status"].startswith("off:")
+    handle.remove()
+    assert all(p.device.type == "cpu" for p in flux.parameters())
+
+
+def test_an_input_that_changes_every_call_is_never_captured(flux):
+    x = flux_inputs(flux)
+    ref = _reference(flux, x)
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
+    runner = _runner(handle)
+    with torch.no_grad():
+        for i in range(6):
+            assert torch.equal(flux(**{**x, "return_dict": bool(i % 2)})[0], ref)
+    assert runner.stats.replays == 0 and runner.stats.captures == 0
+    assert "warming up" in runner.reason
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(flux(**{**x, "return_dict": False})[0], ref)
+    assert runner.stats.replays == 1  # the same value twice: the second call is captured and replayed
+    handle.remove()
