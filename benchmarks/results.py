@@ -33,7 +33,7 @@ def _codec(r: dict[str, Any]) -> str:
 
 
 def _replan(r: dict[str, Any]) -> str:
-    return "+replan" if r.get("replan") else ""
+    return ("+replan" if r.get("replan") else "") + ("+graph" if r.get("graph") else "")
 
 
 def row_key(r: dict[str, Any]) -> str:
@@ -51,7 +51,8 @@ def label(r: dict[str, Any]) -> str:
             gain = r.get("replan_predicted_gain")
             replan = (" re-planned" if r.get("replanned") else " replan kept the plan") + (
                 f" (predicted {gain:+.0%})" if gain is not None else "")
-        return f"ddo_blocks linear {r.get('preset')}" + (f" codec={r['codec']}" if _codec(r) else "") + replan
+        return (f"ddo_blocks linear {r.get('preset')}" + (f" codec={r['codec']}" if _codec(r) else "") + replan
+                + (" graph=True" if r.get("graph") else ""))
     if route == "diffusers":
         return f"diffusers group offload {r.get('offload_type')}" + (
             " (use_stream)" if r.get("use_stream") else ""

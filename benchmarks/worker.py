@@ -61,7 +61,8 @@ ROW_FIELDS = (
 
 def stub_row(spec: dict[str, Any], status: str = "error", note: str | None = None) -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(ROW_FIELDS)
-    row.update({k: spec.get(k) for k in ("id", "route", "preset", "budget", "budget_bytes", "offload_type", "codec")})
+    row.update({k: spec.get(k) for k in ("id", "route", "preset", "budget", "budget_bytes", "offload_type", "codec",
+                                         "replan", "graph")})
     row.update(status=status, note=note)
     return row
 

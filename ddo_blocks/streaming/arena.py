@@ -84,7 +84,15 @@ class CudaChunks:
         return torch.as_tensor(_Span(base, self._size[base]), device=self.device)
 
     def map(self, base: int, first: int, count: int) -> int:
-        return self.native.map(base, first, count)
+        try:
+            return self.native.map(base, first, count)
+        except OffloadMemoryError:
+            # PyTorch's caching allocator may hold freed blocks (another phase's activations, an
+            # encoder's): give them back to the driver and map what is missing once more
+            torch.cuda.empty_cache()
+            mapped = self.native.mapped(base)
+            start = next((i for i in range(first, first + count) if not mapped[i]), first + count)
+            return self.native.map(base, start, first + count - start) if start < first + count else 0
 
     def unmap(self, base: int, first: int, count: int) -> int:
         return self.native.unmap(base, first, count)
@@ -333,7 +341,9 @@ class Arena:
             member.busy += 1  # attaching: not evicted until its attach is done (ArenaSlots.ready)
             self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
             worst = max(self.members, key=lambda m: m.working_chunks() - self.member_cap_chunks(m))
-            if worst.working_chunks() > self.member_cap_chunks(worst):
+            if member.working_chunks() > self.cap_chunks:  # it is placed now, in the phase in force
+                worst = member
+            if worst.working_chunks() > (self.member_cap_chunks(worst) if worst is not member else self.cap_chunks):
                 fixed = self.fixed_bytes
                 need = worst.working_chunks() * self.chunk_bytes + fixed
                 self.members.remove(member)

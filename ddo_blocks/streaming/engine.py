@@ -323,7 +323,14 @@ class StreamingEngine:
         self._prewaited = {slot for _, slot in inflight}
 
     def end_capture(self) -> None:
+        """After a capture, finished or failed: the slots' events were last recorded inside it, where
+        nothing outside may wait on them; the device is waited for once and every slot's events are
+        recorded again on the compute stream."""
         self._prewaited = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            if self.transport is not None:
+                self.transport.fence_slots(self._stream())
 
     def before_replay(self, start: tuple) -> None:
         """The launch stream waits for the units a replay starts with (fetched eagerly, or by the
@@ -460,6 +467,7 @@ class StreamingEngine:
         fastest_call = min((c for c in (calls[1:] if len(calls) > 1 else calls)), key=lambda c: c.seconds, default=None)
         last_bytes = calls[-1].h2d_bytes if calls else None
         fetches, total_bytes, host_wait = self.transport_stats()
+        total_bytes += self.graph_bytes  # graph replays move bytes the transport does not see
         calibrated = self.calibrated_prediction()
         stats = self.scheduler.stats
         roof = roofline_bound(

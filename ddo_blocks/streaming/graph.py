@@ -33,13 +33,19 @@ give the runner a backend that re-runs the captured call instead.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
+
+from . import guards
+
+_nothing = contextlib.nullcontext
 
 WARMUP_CALLS = 3
 """Calls a component runs eagerly before its first capture: the order is learned on the first, the
@@ -90,10 +96,23 @@ class TorchGraphs:
         graph.replay()
 
 
-def _signature(leaves: list[Any], spec: Any, device: torch.device) -> tuple[Any, str | None]:
-    """The call's key (tensors by shape, strides, dtype; everything else by value), or ``None`` and
-    why the call cannot be replayed."""
-    parts: list[Any] = [str(spec), torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+"""Non-tensor inputs and outputs a graph can key on (by value) and return as they are."""
+
+
+def _autocast() -> tuple:
+    try:
+        return torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    except (TypeError, AttributeError, RuntimeError):  # an older torch: the global flag
+        return (torch.is_autocast_enabled(),)
+
+
+def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Module) -> tuple[Any, str | None]:
+    """The call's key (tensors by shape, strides and dtype; plain values by value; the grad, inference,
+    autocast and training modes; the hooks on the module), or ``None`` and why the call cannot be
+    replayed."""
+    parts: list[Any] = [str(spec), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), _autocast(),
+                        module.training, len(module._forward_hooks), len(module._forward_pre_hooks)]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             if x.device != device:
@@ -101,12 +120,11 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device) -> tuple[Any,
             if x.requires_grad and torch.is_grad_enabled():
                 return None, "an input requires grad (a graph replays inference only)"
             parts.append((tuple(x.shape), x.stride(), x.dtype))
-            continue
-        try:
-            hash(x)
-        except TypeError:
-            return None, f"an input of type {type(x).__name__} cannot be compared between calls"
-        parts.append((type(x), x))
+        elif isinstance(x, _PLAIN):
+            parts.append((type(x), x))
+        else:
+            return None, (f"an input of type {type(x).__name__} (neither a tensor nor a plain value: a graph would not "
+                          "see it change)")
     return tuple(parts), None
 
 
@@ -131,6 +149,7 @@ class GraphRunner:
         self._static: list[torch.Tensor] | None = None
         self._graphs: dict[tuple, Captured] = {}
         self._side: torch.cuda.Stream | None = None
+        self._last_done: Any = None
 
     # ---------------------------------------------------------------------------------------------
     def call(self, method: Any, args: tuple, kwargs: dict) -> Any:
@@ -138,12 +157,17 @@ class GraphRunner:
         if self.off_reason is not None:
             return sched.eager_call(method, args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        key, why = _signature(leaves, spec, self.device)
+        key, why = _signature(leaves, spec, self.device, sched.module)
         if key is None or key != self._key:
             self._forget()
             self._key = key
         if key is None:
             return self._eager(method, args, kwargs, why)
+        on_top, stateful = guards.hooks_on(sched.module)
+        sched.refuse_on_top(on_top)
+        if stateful is not None:
+            self._forget()
+            return self._eager(method, args, kwargs, f"{stateful} change what a call does from step to step")
         state = sched.inflight_state()
         captured = self._graphs.get(state)
         if captured is not None:
@@ -165,7 +189,7 @@ class GraphRunner:
             return self.scheduler.eager_call(method, args, kwargs)
         finally:
             if self.scheduler.stats.order_changes != orders:
-                self._same_key_calls = 0  # a new order: one more steady call before a capture
+                self._forget()  # a new order: the graphs replay the old one; one more steady call first
 
     def _not_ready(self, state: tuple) -> str | None:
         """Why a call in ``state`` is not captured now (``None``: capture it)."""
@@ -188,9 +212,10 @@ class GraphRunner:
     # ---------------------------------------------------------------------------------------------
     def _capture(self, method: Any, leaves: list[Any], spec: Any, state: tuple) -> tuple[Any] | None:
         """Captures this call from ``state`` and replays it once for its outputs; ``None`` (with
-        :attr:`reason`) when the capture failed and the call is to run eagerly."""
+        :attr:`reason`) when no graph came of it and the call is to run eagerly."""
         sched, engine = self.scheduler, self.engine
         cur = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self._wait_last(cur)
         if self._static is None:
             self._static = [x.detach().clone(memory_format=torch.preserve_format) if isinstance(x, torch.Tensor)
                             else None for x in leaves]
@@ -223,34 +248,48 @@ class GraphRunner:
                             raise
             return out
 
-        engine.begin_capture(side)
+        failure = None
         try:
-            graph, out = self.backend.capture(body, side)
+            engine.begin_capture(side)
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else _nothing():
+                graph, out = self.backend.capture(body, side)
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from here, said why
-            self._failed(f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
-            return None
+            failure = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
         finally:
+            end = sched.inflight_state()
+            moved = engine.bytes_moved() - bytes0
+            engine.graph_bytes -= moved  # counted as fetched, but a capture moves nothing: the replays do
+            sched.restore_slots(state)  # the device holds what it held before the capture
             engine.end_capture()
-        end = sched.inflight_state()
+        if failure is not None:
+            self._failed(failure)
+            return None
         if sched.stats.order_changes != orders or not sched.last_call_clean:
             self._failed("the order changed during the capture", permanent=False)
             return None
-        h2d = engine.bytes_moved() - bytes0
-        engine.graph_bytes -= h2d  # counted as fetched, but a capture moves nothing: the replays do
-        captured = Captured(graph, state, end, out, h2d)
+        odd = next((type(x).__name__ for x in pytree.tree_leaves(out) if not isinstance(x, (torch.Tensor, *_PLAIN))),
+                   None)
+        if odd is not None:
+            self._failed(f"the output holds a {odd}, which a replay could not give back as the eager call does")
+            return None
+        captured = Captured(graph, state, end, out, moved)
         self._graphs[state] = captured
         self.stats.captures += 1
         return (self._replay(captured, leaves, copy_inputs=False),)
 
     def _failed(self, why: str, permanent: bool = True) -> None:
-        """After a capture that did not give a graph: the scheduler's state advanced over copies that
-        never ran, so its in-flight units are fetched again (eagerly) before the call runs."""
+        """After a capture that gave no graph (the scheduler is back where the device is)."""
         self.stats.failures += 1
         self.reason = why
         if permanent:
             self.off_reason = why
         self._forget()
-        self.scheduler.refetch_inflight()
+
+    def _wait_last(self, stream: Any) -> None:
+        """The stream waits for the previous replay's outputs to be cloned before the static tensors
+        are written again (calls may come on different streams)."""
+        if stream is not None and self._last_done is not None:
+            stream.wait_event(self._last_done)
 
     def _copy_inputs(self, leaves: list[Any]) -> None:
         assert self._static is not None
@@ -261,10 +300,11 @@ class GraphRunner:
     def _replay(self, captured: Captured, leaves: list[Any], copy_inputs: bool) -> Any:
         sched, engine = self.scheduler, self.engine
         t0 = time.perf_counter()
-        sched.check_call()
+        sched.check_grad()  # the hooks were looked at in call()
         engine.call_started()
         try:
             if copy_inputs:
+                self._wait_last(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
                 self._copy_inputs(leaves)
             start = end = None
             if self.device.type == "cuda":
@@ -273,12 +313,13 @@ class GraphRunner:
                 start.record(stream)
             engine.before_replay(captured.start)
             self.backend.replay(captured.graph)
-            engine.after_replay()
             sched.set_inflight(captured.end)
+            engine.after_replay()
             out = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, captured.out)
             if self.device.type == "cuda":
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(stream)
+                self._last_done = end
         finally:
             engine.call_finished()
         engine.graph_bytes += captured.h2d_bytes
@@ -303,6 +344,7 @@ class GraphRunner:
     def close(self) -> None:
         self._forget()
         self._side = None
+        self._last_done = None
 
     def section(self) -> dict[str, Any]:
         host = self.stats.host_s

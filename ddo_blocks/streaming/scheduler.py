@@ -278,12 +278,13 @@ class Scheduler:
         self._next = nxt
         self._free = collections.deque(free)
 
-    def refetch_inflight(self) -> None:
-        """Forgets the in-flight units and fetches the next call's first units again (after a
-        failed graph capture, whose fetches never ran)."""
-        self._drop_inflight()
-        self._next = 0
-        self.topup()
+    def restore_slots(self, state: tuple) -> None:
+        """After a CUDA graph capture (finished or failed), which ran none of the copies it queued: every
+        unit parked, nothing running, the in-flight state the device still holds."""
+        self._running = None
+        for u in range(len(self.streamed)):
+            self.pipeline.park(u)
+        self.set_inflight(state)
 
     def _make_pre(self, u: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -379,13 +380,18 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------------
     def check_call(self) -> None:
         """The checks at the start of every call: inference only, no offloading on top."""
+        self.check_grad()
+        self.refuse_on_top(guards.offload_on_top(self.module))
+
+    def check_grad(self) -> None:
         if torch.is_grad_enabled() and any(p.requires_grad for u in self.streamed for _, p in u.params):
             raise OffloadStateError(
                 f"{type(self.module).__name__} is offloaded for inference, but autograd is on and its streamed "
                 "parameters require grad: backward would read weights from slots the next units reuse. Run it "
                 "under torch.no_grad() or torch.inference_mode(), or call module.requires_grad_(False)"
             )
-        on_top = guards.offload_on_top(self.module)
+
+    def refuse_on_top(self, on_top: str | None) -> None:
         if on_top is not None:
             raise OffloadStateError(
                 f"{type(self.module).__name__} is offloaded by ddo_blocks, and {on_top} was applied on top: "
@@ -412,7 +418,8 @@ class Scheduler:
         if self.calibration is None and self._calls_started == 1 and self.streamed:
             self.calibration = Calibration(self.device, [(u.index, u.module) for u in self.resident_units])
             self._calibrating = True
-        self._calls_started += 1
+        if not capturing:  # its replay counts it
+            self._calls_started += 1
         self._call_misses0 = self.stats.misses
         self._call_bytes0 = self.pipeline.bytes_moved()
         if self.device.type == "cuda" and not capturing:
