@@ -515,23 +515,12 @@ def test_a_private_arena_keeps_no_host_copy_of_its_resident_units(flux):
     assert arena.closed  # a private arena goes with its only member
 
 
-def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypatch):
-    """Arena("auto"): half the free memory until a member's first call measured its activations; then
-    each member's calls run with the free memory less its own activations (the margin set to 0 here):
-    the transformer is planned again with its larger phase budget, and the VAE's activation-heavy
-    phase takes the transformer's chunks and gives them back to the allocator. Outputs stay exact."""
+def _fake_auto(monkeypatch, free: int, peak) -> None:
+    """``Arena("auto")`` on the host emulation: ``free`` bytes free, no margin, and each call's
+    activation peak given by ``peak()`` instead of measured."""
     from ddo_blocks import autobudget
 
-    x, ref, lat, dec, bf, bv = _pair(flux, vae)
-    free = 3 * slack(bf["all_resident"], flux) // 2  # the first budget (half) streams the transformer
-    acts = {"transformer": free // 50, "vae": free * 7 // 10}  # the VAE's decode needs much more
-    monkeypatch.setattr(autobudget, "free_bytes", lambda device: free)
-    monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
-    monkeypatch.setattr(autobudget, "MARGIN_FRACTION", 0.0)
-
     class FakePeak:
-        owner: list[str] = []
-
         def __init__(self, device):
             pass
 
@@ -539,21 +528,36 @@ def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypa
             pass
 
         def finish(self):
-            return acts[FakePeak.owner[-1]]
+            return peak()
 
+    monkeypatch.setattr(autobudget, "free_bytes", lambda device: free)
+    monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
+    monkeypatch.setattr(autobudget, "MARGIN_FRACTION", 0.0)
     monkeypatch.setattr(autobudget, "CallPeak", FakePeak)
+
+
+def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypatch):
+    """Arena("auto"): half the free memory until a member's first call measured its activations; then
+    each member's calls run with the free memory less its own activations (the margin set to 0 here):
+    the transformer is planned again with its larger phase budget, and the VAE's activation-heavy
+    phase takes the transformer's chunks and gives them back to the allocator. Outputs stay exact."""
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
+    free = 3 * slack(bf["all_resident"], flux) // 2  # the first budget (half) streams the transformer
+    acts = {"transformer": free // 50, "vae": free * 7 // 10}  # the VAE's decode needs much more
+    owner: list[str] = []
+    _fake_auto(monkeypatch, free, lambda: acts[owner[-1]])
     arena = Arena("auto", _backend=HostChunks(CHUNK, free))
     assert arena.budget == free // 2
     hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
     hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
     first_budget, first_streamed = hf.engine.budget, hf.report()["plan"]["streamed_bytes"]
-    FakePeak.owner.append("transformer")
+    owner.append("transformer")
     with torch.no_grad():
         assert torch.equal(flux(**x)[0], ref)  # measures; then planned again with free - its activations
     assert arena.auto.activations["transformer"] == acts["transformer"]
     assert hf.engine.budget > 1.5 * first_budget  # planned with its phase's budget, not the first one
     assert hf.report()["plan"]["streamed_bytes"] < first_streamed
-    FakePeak.owner.append("vae")
+    owner.append("vae")
     with torch.no_grad():
         assert torch.equal(vae.decode(lat).sample, dec)
         assert torch.equal(vae.decode(lat).sample, dec)  # a phase of free - the VAE's activations
@@ -579,7 +583,6 @@ def test_an_auto_arena_member_replans_beside_a_denoiser_larger_than_its_phase(fl
     set") and so was the fallback, inside the pipeline's call. A member's working set has to fit its own
     phase, not the phase in force (``streamed``: a second member that streams at the first budget and is
     planned again), and a member with nothing streamed is not planned again (``vae``)."""
-    from ddo_blocks import autobudget
     from ddo_blocks.tiny import tiny_flux_transformer
 
     x, ref, lat, dec, bf, bv = _pair(flux, vae)
@@ -606,22 +609,8 @@ def test_an_auto_arena_member_replans_beside_a_denoiser_larger_than_its_phase(fl
         with torch.no_grad():
             want = call()
     acts = {"transformer": free // 50, "other": free * (3 if second == "vae" else 55) // (10 if second == "vae" else 100)}
-    monkeypatch.setattr(autobudget, "free_bytes", lambda device: free)
-    monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
-    monkeypatch.setattr(autobudget, "MARGIN_FRACTION", 0.0)
     owner: list[str] = []
-
-    class FakePeak:
-        def __init__(self, device):
-            pass
-
-        def start(self):
-            pass
-
-        def finish(self):
-            return acts[owner[-1]]
-
-    monkeypatch.setattr(autobudget, "CallPeak", FakePeak)
+    _fake_auto(monkeypatch, free, lambda: acts[owner[-1]])
     arena = Arena("auto", headroom=headroom, _backend=HostChunks(CHUNK, free))
     hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
     ho = ddo_blocks.offload(other, route="vmm", arena=arena, device="cpu", component="other")
@@ -648,25 +637,11 @@ def test_an_auto_arena_member_replans_beside_a_denoiser_larger_than_its_phase(fl
 
 
 def test_a_failed_replan_on_the_auto_arena_attaches_the_first_budget_again(flux, vae, monkeypatch):
-    from ddo_blocks import autobudget, routes
+    from ddo_blocks import routes
 
     x, ref, lat, dec, bf, bv = _pair(flux, vae)
     free = 3 * slack(bf["all_resident"], flux) // 2
-    monkeypatch.setattr(autobudget, "free_bytes", lambda device: free)
-    monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
-    monkeypatch.setattr(autobudget, "MARGIN_FRACTION", 0.0)
-
-    class FakePeak:
-        def __init__(self, device):
-            pass
-
-        def start(self):
-            pass
-
-        def finish(self):
-            return free // 50
-
-    monkeypatch.setattr(autobudget, "CallPeak", FakePeak)
+    _fake_auto(monkeypatch, free, lambda: free // 50)
     arena = Arena("auto", _backend=HostChunks(CHUNK, free))
     hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
     first = hf.engine.budget
