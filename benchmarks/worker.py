@@ -504,10 +504,11 @@ def _setup_peak(dev, row: dict[str, Any]) -> Callable[[], None]:
 def _step(attached: Attached, inputs, dev, ctx, row: dict[str, Any]) -> None:
     """The first call, the warm-up and the timed calls: ``first_call_s`` and the step."""
     warmup = ctx["warmup"]
-    if attached.info.get("graph"):  # the eager calls before the first capture, and the capture
+    if attached.info.get("graph"):  # the eager calls before the first capture, then one capture per slot state
         from ddo_blocks.streaming.graph import WARMUP_CALLS
 
-        warmup = max(warmup, WARMUP_CALLS + 1)
+        slots = attached.info["_state"]["handle"].report()["plan"]["slots"]
+        warmup = max(warmup, WARMUP_CALLS + max(1, slots))
     timing = time_forward(attached.module, inputs, dev, warmup=warmup, repeats=ctx["repeats"],
                           after_warmup=_setup_peak(dev, row))
     row["warmup_calls"] = warmup
