@@ -159,3 +159,24 @@ def test_an_input_that_changes_every_call_is_never_captured(flux):
             assert torch.equal(flux(**{**x, "return_dict": False})[0], ref)
     assert runner.stats.replays == 1  # the same value twice: the second call is captured and replayed
     handle.remove()
+
+
+def test_a_stateful_diffusers_hook_makes_calls_eager_with_the_reason(flux):
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    x = flux_inputs(flux)
+    ref = _reference(flux, x)
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
+    runner = _runner(handle)
+    with torch.no_grad():
+        for _ in range(5):
+            assert torch.equal(flux(**x)[0], ref)
+        assert runner.stats.replays > 0
+        registry = HookRegistry.check_if_exists_or_initialize(flux.transformer_blocks[0])
+        registry.register_hook(ModelHook(), "counts_steps")  # a cache hook would change the call step by step
+        replays = runner.stats.replays
+        for _ in range(3):
+            assert torch.equal(flux(**x)[0], ref)
+    assert runner.stats.replays == replays
+    assert "diffusers hooks on transformer_blocks.0 (counts_steps)" in runner.reason
+    handle.remove()

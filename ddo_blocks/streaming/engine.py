@@ -3,6 +3,7 @@
     StreamingEngine            attach / detach / rollback, the transport, the report's sections
       ├─ UnitPlan  (plan.py)       units, resident set and slot count from the Rust planner
       ├─ Scheduler (scheduler.py)  hooks, entry points, learned order, in-flight queue, calls, lock
+      │    └─ GraphRunner (graph.py)   graph=True: steady calls replayed as CUDA graphs
       ├─ UnitStore (stores.py)     host side: HostSlabs (linear) | FileStore + RAM cache (nvme)
       │                             | CodedSlabs (coded.py: linear with codec="fixed" or "tiered")
       └─ TorchSlots (slots.py)     device side: K slots allocated through PyTorch, views built once

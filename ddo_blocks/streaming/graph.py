@@ -111,7 +111,7 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Mo
     """The call's key (tensors by shape, strides and dtype; plain values by value; the grad, inference,
     autocast and training modes; the hooks on the module), or ``None`` and why the call cannot be
     replayed."""
-    parts: list[Any] = [str(spec), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), _autocast(),
+    parts: list[Any] = [spec, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), _autocast(),
                         module.training, len(module._forward_hooks), len(module._forward_pre_hooks)]
     for x in leaves:
         if isinstance(x, torch.Tensor):
@@ -150,6 +150,8 @@ class GraphRunner:
         self._graphs: dict[tuple, Captured] = {}
         self._side: torch.cuda.Stream | None = None
         self._last_done: Any = None
+        self._modules = list(scheduler.module.modules())
+        """The component's modules, walked at every call for hooks installed on them."""
 
     # ---------------------------------------------------------------------------------------------
     def call(self, method: Any, args: tuple, kwargs: dict) -> Any:
@@ -163,7 +165,7 @@ class GraphRunner:
             self._key = key
         if key is None:
             return self._eager(method, args, kwargs, why)
-        on_top, stateful = guards.hooks_on(sched.module)
+        on_top, stateful = guards.hooks_on(sched.module, self._modules)
         sched.refuse_on_top(on_top)
         if stateful is not None:
             self._forget()

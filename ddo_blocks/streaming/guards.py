@@ -110,24 +110,31 @@ def offload_on_top(module: nn.Module) -> str | None:
     return hooks_on(module)[0]
 
 
-def hooks_on(module: nn.Module) -> tuple[str | None, str | None]:
-    """One pass over the modules: ``(offloading on top, stateful hooks)``, each described or ``None``.
-    Stateful hooks are diffusers' hooks of any kind (caches that count steps, layer skipping): a CUDA
-    graph would replay their first captured step for ever."""
+def hooks_on(module: nn.Module, modules: list[nn.Module] | None = None) -> tuple[str | None, str | None]:
+    """One pass over the modules (``modules``: a list of them made earlier, faster to walk than the
+    tree): ``(offloading on top, stateful hooks)``, each described or ``None``. Stateful hooks are
+    diffusers' hooks of any kind (caches that count steps, layer skipping): a CUDA graph would replay
+    their first captured step for ever."""
+
+    def where(sub: nn.Module) -> str:  # names are looked up only for what is reported
+        name = next((n for n, s in module.named_modules() if s is sub), "?")
+        return f" on {name}" if name else ""
+
     stateful = None
-    for name, sub in module.named_modules():
-        where = f" on {name}" if name else ""
-        registry = sub.__dict__.get("_diffusers_hook")
+    for sub in modules if modules is not None else module.modules():
+        d = sub.__dict__
+        registry = d.get("_diffusers_hook")
         if registry is not None:
             hooks = [n for n in _GROUP_HOOKS if registry.get_hook(n) is not None]
             if hooks:
-                return f"diffusers group offloading{where} (hooks {', '.join(hooks)}; apply_group_offloading)", None
+                return (f"diffusers group offloading{where(sub)} (hooks {', '.join(hooks)}; apply_group_offloading)",
+                        None)
             names = list(getattr(registry, "hooks", {}) or {})
             if names and stateful is None:
-                stateful = f"diffusers hooks{where} ({', '.join(map(str, names))})"
-        hook = sub.__dict__.get("_hf_hook")
+                stateful = f"diffusers hooks{where(sub)} ({', '.join(map(str, names))})"
+        hook = d.get("_hf_hook")
         if hook is not None and not getattr(hook, "_ddo_owned", False):
-            return (f"an accelerate hook{where} ({type(hook).__name__}: cpu_offload, enable_model_cpu_offload or "
+            return (f"an accelerate hook{where(sub)} ({type(hook).__name__}: cpu_offload, enable_model_cpu_offload or "
                     "enable_sequential_cpu_offload)"), None
     return None, stateful
 
