@@ -180,3 +180,38 @@ def test_a_stateful_diffusers_hook_makes_calls_eager_with_the_reason(flux):
     assert runner.stats.replays == replays
     assert "diffusers hooks on transformer_blocks.0 (counts_steps)" in runner.reason
     handle.remove()
+
+
+@pytest.mark.parametrize("change", ["hook", "processor", "parameter"])
+def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
+    """What a graph bakes in and a user may change between calls: a forward hook on a block (it would
+    never run again), an attention processor, a resident parameter pointed at other memory."""
+
+    x = flux_inputs(flux)
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
+    runner = _runner(handle)
+    with torch.no_grad():
+        for _ in range(5):
+            flux(**x)
+        assert runner.stats.replays > 0
+        seen = []
+        if change == "hook":
+            flux.transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append(1))
+        elif change == "processor":
+            attn = flux.transformer_blocks[0].attn
+            attn.processor = type(attn.processor)()
+        else:
+            resident = next(p for _, p in handle.engine.unit_plan.leftovers)
+            resident.data = resident.data.clone()
+        captures, eager = runner.stats.captures, runner.stats.eager_calls
+        out = flux(**x)[0]
+    assert runner.stats.eager_calls == eager + 1 and runner.stats.captures == captures  # not the old graph
+    if change == "hook":
+        assert seen == [1]
+    with torch.no_grad():
+        ref = flux(**x)[0]
+        for _ in range(2):
+            assert torch.equal(flux(**x)[0], ref)
+    assert torch.equal(out, ref)
+    assert runner.stats.captures > captures  # captured anew with the change in it
+    handle.remove()

@@ -86,7 +86,9 @@ class CudaChunks:
     def map(self, base: int, first: int, count: int) -> int:
         try:
             return self.native.map(base, first, count)
-        except OffloadMemoryError:
+        except OffloadMemoryError as exc:
+            if "cuMemCreate" not in str(exc):  # the arena's own cap: nothing to give back
+                raise
             # PyTorch's caching allocator may hold freed blocks (another phase's activations, an
             # encoder's): give them back to the driver and map what is missing once more
             torch.cuda.empty_cache()
@@ -340,10 +342,11 @@ class Arena:
             self.expected.pop(member.name, None)
             member.busy += 1  # attaching: not evicted until its attach is done (ArenaSlots.ready)
             self.backend.set_max_bytes(self.cap_chunks * self.chunk_bytes)
-            worst = max(self.members, key=lambda m: m.working_chunks() - self.member_cap_chunks(m))
-            if member.working_chunks() > self.cap_chunks:  # it is placed now, in the phase in force
-                worst = member
-            if worst.working_chunks() > (self.member_cap_chunks(worst) if worst is not member else self.cap_chunks):
+            # every member's working set fits its own phase; the joining one is placed now, in the phase in force
+            worst = next((m for m in self.members
+                          if m.working_chunks() > (self.cap_chunks if m is member else self.member_cap_chunks(m))),
+                         None)
+            if worst is not None:
                 fixed = self.fixed_bytes
                 need = worst.working_chunks() * self.chunk_bytes + fixed
                 self.members.remove(member)

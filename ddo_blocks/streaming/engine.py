@@ -242,7 +242,10 @@ class StreamingEngine:
                 self.transport = None
         try:
             if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+                if self.graph_requested:  # graph replays copy and read on the streams they were launched on
+                    torch.cuda.synchronize(self.device)
+                else:
+                    torch.cuda.current_stream(self.device).synchronize()
             self.slots.close()
             # slabs go one at a time; a parameter whose copy-out failed still points into its slab
             # (the memory stays alive through the view), so its values stay right
@@ -329,9 +332,11 @@ class StreamingEngine:
         recorded again on the compute stream."""
         self._prewaited = None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            if self.transport is not None:
-                self.transport.fence_slots(self._stream())
+            try:
+                torch.cuda.synchronize(self.device)
+            finally:
+                if self.transport is not None:
+                    self.transport.fence_slots(self._stream())
 
     def before_replay(self, start: tuple) -> None:
         """The launch stream waits for the units a replay starts with (fetched eagerly, or by the

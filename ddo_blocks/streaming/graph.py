@@ -34,6 +34,7 @@ give the runner a backend that re-runs the captured call instead.
 from __future__ import annotations
 
 import contextlib
+import operator
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -109,10 +110,9 @@ def _autocast() -> tuple:
 
 def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Module) -> tuple[Any, str | None]:
     """The call's key (tensors by shape, strides and dtype; plain values by value; the grad, inference,
-    autocast and training modes; the hooks on the module), or ``None`` and why the call cannot be
-    replayed."""
+    autocast and training modes), or ``None`` and why the call cannot be replayed."""
     parts: list[Any] = [spec, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), _autocast(),
-                        module.training, len(module._forward_hooks), len(module._forward_pre_hooks)]
+                        module.training]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             if x.device != device:
@@ -126,6 +126,23 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Mo
             return None, (f"an input of type {type(x).__name__} (neither a tensor nor a plain value: a graph would not "
                           "see it change)")
     return tuple(parts), None
+
+
+_PROCESSOR = operator.attrgetter("processor")
+
+
+def _module_state(modules: list[nn.Module], params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
+    """What of the module a graph bakes in and a call could change: the forward hooks on every module
+    (their count and the newest hook's id: torch numbers hooks from one counter), each parameter's
+    memory, each attention processor's identity."""
+    count, newest = 0, -1
+    for m in modules:
+        for d in (m._forward_hooks, m._forward_pre_hooks):
+            if d:
+                count += len(d)
+                newest = max(newest, max(d))
+    return (count, newest, tuple(map(torch.Tensor.data_ptr, params)),
+            tuple(map(id, map(_PROCESSOR, processors))))
 
 
 class GraphRunner:
@@ -152,6 +169,8 @@ class GraphRunner:
         self._last_done: Any = None
         self._modules = list(scheduler.module.modules())
         """The component's modules, walked at every call for hooks installed on them."""
+        self._params = list(scheduler.module.parameters())
+        self._processors = [m for m in self._modules if hasattr(m, "processor")]
 
     # ---------------------------------------------------------------------------------------------
     def call(self, method: Any, args: tuple, kwargs: dict) -> Any:
@@ -160,6 +179,9 @@ class GraphRunner:
             return sched.eager_call(method, args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key, why = _signature(leaves, spec, self.device, sched.module)
+        if key is not None:  # the entry point and what of the module the graph would bake in
+            key = (getattr(method, "__name__", ""), key,
+                   _module_state(self._modules, self._params, self._processors))
         if key is None or key != self._key:
             self._forget()
             self._key = key
@@ -258,11 +280,13 @@ class GraphRunner:
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from here, said why
             failure = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
         finally:
-            end = sched.inflight_state()
-            moved = engine.bytes_moved() - bytes0
-            engine.graph_bytes -= moved  # counted as fetched, but a capture moves nothing: the replays do
-            sched.restore_slots(state)  # the device holds what it held before the capture
-            engine.end_capture()
+            try:
+                end = sched.inflight_state()
+                moved = engine.bytes_moved() - bytes0
+                engine.graph_bytes -= moved  # counted as fetched, but a capture moves nothing: the replays do
+                sched.restore_slots(state)  # the device holds what it held before the capture
+            finally:
+                engine.end_capture()
         if failure is not None:
             self._failed(failure)
             return None
@@ -294,6 +318,8 @@ class GraphRunner:
             stream.wait_event(self._last_done)
 
     def _copy_inputs(self, leaves: list[Any]) -> None:
+        """Copies the call's tensors into the static inputs the graph reads (every call: a tensor may
+        have been written in place in ways its version counter does not see, ``.data`` writes)."""
         assert self._static is not None
         for s, x in zip(self._static, leaves):
             if s is not None and x is not s:
@@ -314,9 +340,14 @@ class GraphRunner:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
             engine.before_replay(captured.start)
-            self.backend.replay(captured.graph)
-            sched.set_inflight(captured.end)
-            engine.after_replay()
+            launched = False
+            try:
+                self.backend.replay(captured.graph)
+                launched = True
+            finally:
+                if launched:  # the device holds the end state now, whatever comes next
+                    sched.set_inflight(captured.end)
+                    engine.after_replay()
             out = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, captured.out)
             if self.device.type == "cuda":
                 end = torch.cuda.Event(enable_timing=True)
@@ -337,7 +368,13 @@ class GraphRunner:
 
     # ---------------------------------------------------------------------------------------------
     def _forget(self) -> None:
-        """Drops the graphs and the static inputs (new inputs, a failure, the offload's removal)."""
+        """Drops the graphs and the static inputs (new inputs, a failure, the offload's removal), once
+        the last replay finished (it may still read them, on another stream than the next call's)."""
+        if not self._graphs and self._static is None:
+            self._same_key_calls = 0
+            return
+        if self._last_done is not None:
+            self._last_done.synchronize()
         self._graphs.clear()
         self._static = None
         self._same_key_calls = 0
