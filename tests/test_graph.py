@@ -52,6 +52,15 @@ def _runner(handle, fail=None):
     return runner
 
 
+def _offloaded(flux, fail: BaseException | None = None):
+    """Inputs, the resident output, and the model offloaded at its minimum with graph=True on the
+    stand-in backend: ``(x, ref, handle, runner)``."""
+    x = flux_inputs(flux)
+    ref = _reference(flux, x)
+    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
+    return x, ref, handle, _runner(handle, fail)
+
+
 def _reference(model, x):
     with torch.no_grad():
         return model(**x)[0]
@@ -130,10 +139,7 @@ def test_new_input_shapes_drop_the_graphs_and_stay_exact(flux):
 
 
 def test_a_failed_capture_runs_the_call_eagerly_and_turns_graphs_off(flux):
-    x = flux_inputs(flux)
-    ref = _reference(flux, x)
-    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
-    _runner(handle, fail=RuntimeError("operation not permitted when stream is capturing"))
+    x, ref, handle, _ = _offloaded(flux, fail=RuntimeError("operation not permitted when stream is capturing"))
     with torch.no_grad():
         for _ in range(6):
             assert torch.equal(flux(**x)[0], ref)
@@ -145,10 +151,7 @@ def test_a_failed_capture_runs_the_call_eagerly_and_turns_graphs_off(flux):
 
 
 def test_an_input_that_changes_every_call_is_never_captured(flux):
-    x = flux_inputs(flux)
-    ref = _reference(flux, x)
-    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
-    runner = _runner(handle)
+    x, ref, handle, runner = _offloaded(flux)
     with torch.no_grad():
         for i in range(6):
             assert torch.equal(flux(**{**x, "return_dict": bool(i % 2)})[0], ref)
@@ -164,10 +167,7 @@ def test_an_input_that_changes_every_call_is_never_captured(flux):
 def test_a_stateful_diffusers_hook_makes_calls_eager_with_the_reason(flux):
     from diffusers.hooks import HookRegistry, ModelHook
 
-    x = flux_inputs(flux)
-    ref = _reference(flux, x)
-    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
-    runner = _runner(handle)
+    x, ref, handle, runner = _offloaded(flux)
     with torch.no_grad():
         for _ in range(5):
             assert torch.equal(flux(**x)[0], ref)
@@ -186,10 +186,7 @@ def test_a_stateful_diffusers_hook_makes_calls_eager_with_the_reason(flux):
 def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
     """What a graph bakes in and a user may change between calls: a forward hook on a block (it would
     never run again), an attention processor, a resident parameter pointed at other memory."""
-
-    x = flux_inputs(flux)
-    handle = ddo_blocks.offload(flux, vram_budget=ddo_blocks.minimum_budget(flux), device="cpu", graph=True)
-    runner = _runner(handle)
+    x, _, handle, runner = _offloaded(flux)
     with torch.no_grad():
         for _ in range(5):
             flux(**x)
