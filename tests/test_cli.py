@@ -135,3 +135,23 @@ def test_preset_vmm_fast_on_the_command_line_needs_a_budget_and_cuda():
     out = run("--vram-budget", "1GiB")
     assert out.returncode != 0 and "route='vmm'" in out.stderr + out.stdout and "needs a CUDA device" in (
         out.stderr + out.stdout)
+
+
+def test_graph_on_the_command_line_reaches_the_policy():
+    from ddo_blocks.blocks.policy import OffloadPolicy
+    from ddo_blocks.blocks.runner import stage_policies
+
+    ns, blocks = _stage_args("auto", "denoise", route="linear", graph=True)
+    policy = OffloadPolicy.parse(stage_policies(ns, {}, blocks)["denoise"])
+    assert policy.options["graph"] is True and "graph=True" in policy.describe()
+    assert "--denoise-graph" in _run_help()
+
+
+def _run_help() -> str:
+    import argparse
+
+    from ddo_blocks import mainjob
+
+    p = argparse.ArgumentParser()
+    mainjob.add_arguments(p)
+    return p.format_help()

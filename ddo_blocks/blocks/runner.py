@@ -79,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
         g.add_argument(f"--{flag}-codec", dest=f"{stage}_codec", default=None, choices=CODECS,
                        help="lossless compressed transfer for the linear route, decoded on the GPU: fixed = bf16 "
                             "weights sent at 12 bits, tiered = at about 11 (default: off)")
+        g.add_argument(f"--{flag}-graph", dest=f"{stage}_graph", action="store_true", default=None,
+                       help="linear route: replay the stage's steady calls as CUDA graphs (default: off)")
         if stage != "denoise":
             g.add_argument(f"--{flag}-offload-type", dest=f"{stage}_offload_type", default=None,
                            choices=("leaf_level", "block_level"),
@@ -117,6 +119,7 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
         budget = getattr(args, f"{stage}_budget", None)
         offload_type = getattr(args, f"{stage}_offload_type", None)
         codec = getattr(args, f"{stage}_codec", None)
+        graph = getattr(args, f"{stage}_graph", None)
         if use_job and route is None:
             route = job.routes.get(stage)
             preset = preset if preset is not None else job.presets.get(stage)
@@ -125,7 +128,7 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
             streaming = ", ".join(n for n, spec in routes.REGISTRY.items() if spec.streams)
             raise ConfigError(f"--{stage.replace('_', '-')}-budget {budget} applies to the routes that stream "
                               f"({streaming}); route {route!r} was asked")
-        if route is None and preset is None and budget is None and offload_type is None and codec is None:
+        if route is None and preset is None and budget is None and offload_type is None and codec is None and not graph:
             continue
         policy: dict[str, Any] = {}
         if route is not None:
@@ -138,6 +141,8 @@ def stage_policies(args: argparse.Namespace, components: dict[str, Any], blocks:
                 policy["num_blocks_per_group"] = 1  # block_level needs it; the command line has no option for it
         if codec is not None:
             policy["codec"] = codec
+        if graph:
+            policy["graph"] = True
         if budget is not None:
             if budget == "min":
                 from .block import module_components
