@@ -76,6 +76,7 @@ class GraphStats:
     eager_calls: int = 0
     failures: int = 0
     host_s: list[float] = field(default_factory=list)
+    launch_s: list[float] = field(default_factory=list)
 
 
 class TorchGraphs:
@@ -342,7 +343,9 @@ class GraphRunner:
             engine.before_replay(captured.start)
             launched = False
             try:
+                t_launch = time.perf_counter()
                 self.backend.replay(captured.graph)
+                launch_s = time.perf_counter() - t_launch
                 launched = True
             finally:
                 if launched:  # the device holds the end state now, whatever comes next
@@ -362,7 +365,8 @@ class GraphRunner:
         host_s = time.perf_counter() - t0
         if captured.replays > 1:  # a graph's first launch uploads it: part of its capture, not a replay's cost
             self.stats.host_s.append(host_s)
-            del self.stats.host_s[:-MAX_HOST_TIMES]
+            self.stats.launch_s.append(launch_s)
+            del self.stats.host_s[:-MAX_HOST_TIMES], self.stats.launch_s[:-MAX_HOST_TIMES]
         sched.record_replay(start, end, captured.h2d_bytes, host_s)
         return out
 
@@ -399,4 +403,5 @@ class GraphRunner:
             "eager_calls": self.stats.eager_calls,
             "capture_failures": self.stats.failures,
             "host_replay_s": statistics.median(host) if host else None,
+            "host_launch_s": statistics.median(self.stats.launch_s) if self.stats.launch_s else None,
         }
