@@ -18,6 +18,7 @@ import argparse
 import datetime
 import hashlib
 import platform
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--card", type=float, default=16, help="GiB left free on the device (default 16)")
     p.add_argument("--resolutions", default="1024,2048", help="image sides in pixels (default 1024,2048)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--graph", action="store_true",
+                   help="graph=True: the steady calls replayed as CUDA graphs (more warm-up calls: the captures)")
     p.add_argument("--out", default="benchmarks/results/auto-budget")
     args = p.parse_args(argv)
 
@@ -46,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ddo_blocks
     from benchmarks.model import FLUX_DEV, TINY, make_inputs, random_model
+    from ddo_blocks.streaming.graph import WARMUP_CALLS
 
     dev = torch.device(args.device)
     cfg = TINY if args.tiny else FLUX_DEV
@@ -81,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            handle = ddo_blocks.offload(model, vram_budget="auto", device=dev, component="transformer")
-            t = time_forward(model, x, dev, repeats=args.repeats, warmup=2, keep_output=True)
+            handle = ddo_blocks.offload(model, vram_budget="auto", device=dev, component="transformer",
+                                        **({"graph": True} if args.graph else {}))
+            # with graphs: the re-plan after the first call starts a new engine, whose first calls are
+            # eager, then one capture per slot state (at most 4)
+            warmup = 2 + (WARMUP_CALLS + 4 if args.graph else 0)
+            t = time_forward(model, x, dev, repeats=args.repeats, warmup=warmup, keep_output=True)
             rep = handle.report().to_dict()
             auto, plan = rep["auto_budget"], rep["plan"]
             link = rep["roofline"]["link_gb_s"] * 1e9
@@ -92,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                        free_bytes=auto["free_bytes"], first_budget_bytes=auto["first_budget_bytes"],
                        activation_bytes=auto["activation_bytes"], budget_bytes=plan["vram_budget"],
                        reason=auto["reason"], streamed_bytes=plan["streamed_bytes"], gpu_bytes=plan["gpu_bytes"],
+                       graph=rep.get("graph"), host_call_s=statistics.median(t.host_times) if t.host_times else None,
                        # the filler tensor is allocated through PyTorch too: not counted
                        gpu_peak_allocated=torch.cuda.max_memory_allocated(dev) - blocked if dev.type == "cuda" else None)
             del t
@@ -113,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     def g_(n: Any) -> str:
         return "-" if n is None else f"{n / GIB:.2f}"
 
-    lines = [f"# vram_budget='auto' with {args.card:g} GiB free ({doc['gpu'] or dev})", "",
+    lines = [f"# vram_budget='auto'{' with graph=True' if args.graph else ''} with {args.card:g} GiB free "
+             f"({doc['gpu'] or dev})", "",
              f"- {doc['created']}, `{doc['command']}`, commit {doc['commit']}", "",
              "| resolution | free GiB | first budget GiB | activations GiB | chosen budget GiB | streamed GiB "
              "| peak GPU GiB | step s | roofline s | step / roofline | exact | status |",
