@@ -14,17 +14,24 @@ What makes the replay right:
   the mapping turns by ``n mod K``). A graph is kept per start state (the in-flight units, their
   slots, the next unit to fetch): at most ``K`` graphs, replayed in turn, each ending where the next
   starts. The scheduler's state is set to the graph's end state after each replay.
-- **Fences.** Before a replay the launch stream waits for the in-flight units' arrival (fetched by
+- **Fences.** Events recorded inside a capture stand for graph nodes: nothing outside may wait on
+  them. So after a capture, finished or failed, the device is waited for once, every slot's events
+  are recorded again and the scheduler is set back to what the device holds (nothing a capture
+  queued ran). Before a replay the launch stream waits for the in-flight units' arrival (fetched by
   an eager call, or by the previous replay: then the wait is already met); after it, every slot is
   marked consumed and arrived on the launch stream (``Transport.fence_slots``), so an eager fetch or
   call after a replay waits for the graph.
 - **Inputs and outputs.** Tensor inputs are copied into static tensors the graph reads; outputs are
   the graph's own tensors, cloned before they are returned (a pipeline may keep one output while it
   calls again: classifier-free guidance).
-- **Anything else** (a different shape or value, a scheduler that is not in a steady state, a
-  re-plan, an input on another device, autograd on) runs eagerly; a failed capture (a host sync, a
-  data-dependent branch, an allocation the graph cannot make) runs the call eagerly, turns graphs
-  off for the component and says why in the report.
+- **The key** of a call: its entry point; its inputs' shapes, strides and dtypes and its plain
+  values; the grad, inference, autocast and training modes; and what of the module a graph bakes in
+  (every forward hook in the tree, each parameter's memory, each attention processor). A different
+  key drops the graphs and runs eagerly, as do a scheduler not in a steady state, a changed order, an
+  input on another device or of another kind, and diffusers hooks (they change calls step by step).
+  A failed capture (a host sync, a data-dependent branch, an allocation the graph cannot make) runs
+  the call eagerly, turns graphs off for the component and says why in the report. Not seen: state
+  inside a layer that no key covers (a LoRA scale set in place): offload again after such a change.
 
 The backend is PyTorch's ``torch.cuda.CUDAGraph`` (one private memory pool per input signature,
 shared by that signature's graphs); the CPU engine has none (the report says so), and the tests
