@@ -175,8 +175,7 @@ class GraphRunner:
         self._graphs: dict[tuple, Captured] = {}
         self._side: torch.cuda.Stream | None = None
         self._last_done: Any = None
-        self._modules = list(scheduler.module.modules())
-        """The component's modules, walked at every call for hooks installed on them."""
+        self._modules = scheduler.modules if scheduler.modules is not None else list(scheduler.module.modules())
         self._params = list(scheduler.module.parameters())
         self._processors = [m for m in self._modules if hasattr(m, "processor")]
 

@@ -102,19 +102,14 @@ class ConversionGuard:
         )
 
 
-def offload_on_top(module: nn.Module) -> str | None:
-    """Describes an offloading hook installed on ``module`` or a submodule after ours (diffusers group
-    offloading, accelerate's offload hooks), or ``None``. Other wrappers of ``forward`` (a user's
-    profiler, the blocks' execution-device hook) are fine: the engine's entry point still runs
-    inside them. One pass over the modules' attribute dicts (about 0.1 ms for 1000 modules)."""
-    return hooks_on(module)[0]
-
-
 def hooks_on(module: nn.Module, modules: list[nn.Module] | None = None) -> tuple[str | None, str | None]:
     """One pass over the modules (``modules``: a list of them made earlier, faster to walk than the
-    tree): ``(offloading on top, stateful hooks)``, each described or ``None``. Stateful hooks are
-    diffusers' hooks of any kind (caches that count steps, layer skipping): a CUDA graph would replay
-    their first captured step for ever."""
+    tree): ``(offloading on top, stateful hooks)``, each described or ``None``. Offloading on top is
+    an offloading hook installed on ``module`` or a submodule after ours (diffusers group offloading,
+    accelerate's offload hooks); other wrappers of ``forward`` (a user's profiler, the blocks'
+    execution-device hook) are fine: the engine's entry point still runs inside them. Stateful hooks
+    are diffusers' hooks of any kind (caches that count steps, layer skipping): a CUDA graph would
+    replay their first captured step for ever."""
 
     def where(sub: nn.Module) -> str:  # names are looked up only for what is reported
         name = next((n for n, s in module.named_modules() if s is sub), "?")

@@ -151,6 +151,9 @@ class Scheduler:
         self._suspended = False
         self.graph: Any = None
         """The component's ``graph.GraphRunner`` (``graph=True``): entry calls go through it."""
+        self.modules: list[nn.Module] | None = None
+        """The component's modules, listed at install: every call looks for hooks installed on them
+        (a list walks ten times faster than the module tree: 0.06 against 0.6 ms for Flux's 1279)."""
 
     # ---------------------------------------------------------------------------------------------
     # installing and removing
@@ -162,6 +165,7 @@ class Scheduler:
         self.topup()
 
     def install(self) -> None:
+        self.modules = list(self.module.modules())
         for u, unit in enumerate(self.streamed):
             self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre(u), with_kwargs=True))
             self._hooks.append(unit.module.register_forward_hook(self._make_post(u), always_call=True))
@@ -381,7 +385,7 @@ class Scheduler:
     def check_call(self) -> None:
         """The checks at the start of every call: inference only, no offloading on top."""
         self.check_grad()
-        self.refuse_on_top(guards.offload_on_top(self.module))
+        self.refuse_on_top(guards.hooks_on(self.module, self.modules)[0])
 
     def check_grad(self) -> None:
         if torch.is_grad_enabled() and any(p.requires_grad for u in self.streamed for _, p in u.params):
