@@ -90,11 +90,9 @@ class CudaChunks:
             if "cuMemCreate" not in str(exc):  # the arena's own cap: nothing to give back
                 raise
             # PyTorch's caching allocator may hold freed blocks (another phase's activations, an
-            # encoder's): give them back to the driver and map what is missing once more
+            # encoder's): give them back to the driver and map once more (what is mapped is skipped)
             torch.cuda.empty_cache()
-            mapped = self.native.mapped(base)
-            start = next((i for i in range(first, first + count) if not mapped[i]), first + count)
-            return self.native.map(base, start, first + count - start) if start < first + count else 0
+            return self.native.map(base, first, count)
 
     def unmap(self, base: int, first: int, count: int) -> int:
         return self.native.unmap(base, first, count)

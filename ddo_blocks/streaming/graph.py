@@ -53,8 +53,6 @@ from torch.utils import _pytree as pytree
 
 from . import guards
 
-_nothing = contextlib.nullcontext
-
 WARMUP_CALLS = 3
 """Calls a component runs eagerly before its first capture: the order is learned on the first, the
 calibration runs on the second, the third is a steady call."""
@@ -175,7 +173,7 @@ class GraphRunner:
         self._graphs: dict[tuple, Captured] = {}
         self._side: torch.cuda.Stream | None = None
         self._last_done: Any = None
-        self._modules = scheduler.modules if scheduler.modules is not None else list(scheduler.module.modules())
+        self._modules: list[nn.Module] = scheduler.modules  # listed at install, before the runner is made
         self._params = list(scheduler.module.parameters())
         self._processors = [m for m in self._modules if hasattr(m, "processor")]
 
@@ -282,7 +280,7 @@ class GraphRunner:
         failure = None
         try:
             engine.begin_capture(side)
-            with torch.cuda.device(self.device) if self.device.type == "cuda" else _nothing():
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 graph, out = self.backend.capture(body, side)
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from here, said why
             failure = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
