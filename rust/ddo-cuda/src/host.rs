@@ -13,6 +13,8 @@ const SERIAL_MAX: usize = 1 << 20;
 /// gain) and at most `MAX_CHUNK`, so every thread of the pool gets work on a 64 MiB staging buffer.
 const MIN_CHUNK: usize = 1 << 20;
 const MAX_CHUNK: usize = 8 << 20;
+/// The smallest piece [`copy_host_pieces`] takes when asked for a piece size.
+const MIN_PIECE: usize = 64 << 10;
 
 /// Page-locks `len` bytes at `ptr` (`cuMemHostRegister`, portable to every context) until dropped;
 /// registering and unregistering bind the primary context of the device it was made for.
@@ -144,6 +146,18 @@ impl HostBuffer {
 /// `src` is `n` readable and `dst` `n` writable bytes of host memory, disjoint, allocated for the
 /// duration of the call and not written by anyone else meanwhile.
 pub unsafe fn copy_host(dst: usize, src: usize, n: usize) {
+    // SAFETY: the caller upholds the same contract.
+    unsafe { copy_host_pieces(dst, src, n, 0) }
+}
+
+/// [`copy_host`] in pieces of `piece` bytes (rounded down to 64, at least 64 KiB), which the pool's
+/// threads take as they become free: pieces smaller than an even share let the other threads
+/// finish the work of one that the scheduler parked (a busy Python thread on the same cores).
+/// `piece == 0`: an even share per thread, 1-8 MiB.
+///
+/// # Safety
+/// As [`copy_host`].
+pub unsafe fn copy_host_pieces(dst: usize, src: usize, n: usize, piece: usize) {
     if n == 0 {
         return;
     }
@@ -152,7 +166,10 @@ pub unsafe fn copy_host(dst: usize, src: usize, n: usize) {
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, n) };
         return;
     }
-    let chunk = (n / rayon::current_num_threads().max(1)).clamp(MIN_CHUNK, MAX_CHUNK) & !63;
+    let chunk = match piece {
+        0 => (n / rayon::current_num_threads().max(1)).clamp(MIN_CHUNK, MAX_CHUNK),
+        p => p.max(MIN_PIECE),
+    } & !63;
     let chunks = n.div_ceil(chunk);
     (0..chunks).into_par_iter().for_each(|i| {
         let off = i * chunk;
@@ -307,6 +324,18 @@ mod tests {
             // SAFETY: two live, disjoint vectors of `n` bytes.
             unsafe { copy_host(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n) };
             assert_eq!(src, dst, "size {n}");
+        }
+    }
+
+    #[test]
+    fn copies_in_any_piece_size_exactly() {
+        let n = SERIAL_MAX * 5 + 4099;
+        let src: Vec<u8> = (0..n).map(|i| (i * 13 % 241) as u8).collect();
+        for piece in [0usize, 1, 100, MIN_PIECE, MIN_PIECE + 1, 3 << 20, n, 2 * n] {
+            let mut dst = vec![0u8; n];
+            // SAFETY: two live, disjoint vectors of `n` bytes.
+            unsafe { copy_host_pieces(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n, piece) };
+            assert_eq!(src, dst, "piece {piece}");
         }
     }
 

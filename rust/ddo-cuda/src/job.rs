@@ -48,6 +48,9 @@ pub struct Staging {
     /// Pass host-address sources through the ring (they are pageable). When false they are
     /// page-locked and copied straight into the slot, in order with the file jobs (NVMe route).
     pub stage_host: bool,
+    /// Bytes per parallel piece of a buffer's host copy (0: an even share per thread); see
+    /// [`crate::host::copy_host_pieces`].
+    pub piece_bytes: usize,
 }
 
 /// Most staging buffers and most threads per ring (presets use a few of each).

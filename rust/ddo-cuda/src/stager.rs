@@ -28,7 +28,7 @@ use std::thread::JoinHandle;
 use crate::deferred::ErrorSlot;
 use crate::driver::make_current;
 use crate::error::{CudaError, Result};
-use crate::host::{copy_host, HostBuffer};
+use crate::host::{copy_host_pieces, HostBuffer};
 use crate::job::{enqueue, FileUnit, Job, Lane, Part, Source, Span, Staging, Target};
 use crate::readpool::{ChunkRead, ReadPool, Wake};
 
@@ -59,6 +59,8 @@ struct Ring {
     next: usize,
     /// Host-address jobs pass through the ring (pageable sources); else straight to the slot.
     stage_host: bool,
+    /// Bytes per parallel piece of a buffer's fill (0: an even share per copy thread).
+    piece_bytes: usize,
 }
 
 impl Ring {
@@ -98,6 +100,7 @@ impl Stager {
             buffers,
             next: 0,
             stage_host: staging.stage_host,
+            piece_bytes: staging.piece_bytes,
         };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(staging.threads.max(1))
@@ -396,8 +399,9 @@ impl Pipeline {
                     let len = buf.len().min(n - off);
                     // SAFETY: `fetch`'s caller guarantees `src` holds `n` live bytes; the buffer's
                     // previous upload has finished (`take`) and it holds at least `len` bytes.
+                    let piece = self.ring.piece_bytes;
                     self.pool
-                        .install(|| unsafe { copy_host(buf.ptr(), src + off, len) });
+                        .install(|| unsafe { copy_host_pieces(buf.ptr(), src + off, len, piece) });
                     let part = Part {
                         job,
                         first: off == 0,

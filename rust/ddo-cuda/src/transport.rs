@@ -499,6 +499,7 @@ mod tests {
             threads: 2,
             pinned: false,
             stage_host: true,
+            piece_bytes: 0,
         }));
     }
 
@@ -510,6 +511,7 @@ mod tests {
             threads: 1,
             pinned: false,
             stage_host: false,
+            piece_bytes: 0,
         }));
     }
 
@@ -533,6 +535,7 @@ mod tests {
                 threads: 2,
                 pinned: false,
                 stage_host: false,
+                piece_bytes: 0,
             }),
         )
         .unwrap();
@@ -630,6 +633,7 @@ mod tests {
                 threads: 4,
                 pinned: false,
                 stage_host,
+                piece_bytes: 0,
             }),
         )
         .unwrap();
@@ -727,6 +731,7 @@ mod tests {
             threads: 2,
             pinned: false,
             stage_host,
+            piece_bytes: 0,
         };
         for staging in [None, Some(ring(false)), Some(ring(true))] {
             let rec = Arc::new(Recorder::default());
@@ -879,6 +884,7 @@ mod tests {
             threads: 1,
             pinned: false,
             stage_host: true,
+            piece_bytes: 0,
         }
     }
 
@@ -960,6 +966,7 @@ mod tests {
             threads,
             pinned: false,
             stage_host: true,
+            piece_bytes: 0,
         };
         for (slots, staging, want) in [
             (1 << 40, None, "1 to 1024 slots, got 1099511627776"),
@@ -994,6 +1001,7 @@ mod tests {
                 threads: 1,
                 pinned: false,
                 stage_host: true,
+                piece_bytes: 0,
             }),
         );
         assert!(err.is_err());

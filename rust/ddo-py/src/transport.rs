@@ -123,7 +123,10 @@ impl Transport {
     /// `stage_host=False`: host sources are page-locked and go straight to the slot (in order with
     /// file sources) instead of through the ring.
     #[new]
-    #[pyo3(signature = (device, ordinal, slots, copy_stream=0, staging=None, stage_host=true))]
+    /// `piece_bytes`: bytes per parallel piece of a staging buffer's fill (0: an even share per
+    /// copy thread).
+    #[pyo3(signature = (device, ordinal, slots, copy_stream=0, staging=None, stage_host=true, piece_bytes=0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         device: &str,
@@ -132,6 +135,7 @@ impl Transport {
         copy_stream: u64,
         staging: Option<(usize, usize, usize, bool)>,
         stage_host: bool,
+        piece_bytes: usize,
     ) -> PyResult<Self> {
         let target = match device {
             "cpu" => Target::Cpu,
@@ -154,6 +158,7 @@ impl Transport {
                 threads,
                 pinned,
                 stage_host,
+                piece_bytes,
             },
         );
         let inner = py
