@@ -32,13 +32,14 @@ PRESETS = (
     Preset(
         "linear",
         "low_ram_safe",
-        "no pinned copy of the weights: pageable slabs pass through a 4 x 64 MiB pinned staging "
-        "ring filled by several threads (host RAM ~1.0x + 256 MiB)",
+        "no pinned copy of the weights: pageable slabs pass through a 4 x 32 MiB pinned staging "
+        "ring filled by several threads in 1 MiB pieces (host RAM ~1.0x + 128 MiB)",
         HostMode.PAGEABLE_STAGED,
         staging_buffers=4,
-        staging_buffer_mib=64,
+        staging_buffer_mib=32,
         staging_threads=staging_threads(),
-        host_ram_ratio="1.0x + 256 MiB",
+        staging_piece_kib=1024,
+        host_ram_ratio="1.0x + 128 MiB",
     ),
     Preset(
         "linear",
@@ -49,6 +50,7 @@ PRESETS = (
         staging_buffers=4,
         staging_buffer_mib=16,
         staging_threads=staging_threads(),
+        staging_piece_kib=1024,
         host_ram_ratio="1.0x + 64 MiB",
     ),
     Preset(

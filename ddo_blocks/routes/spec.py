@@ -51,6 +51,9 @@ class Preset:
         keep_warm: keep pinned slabs for the process after ``remove()`` and reuse them when the same
             weights are offloaded again.
         staging_buffers / staging_buffer_mib / staging_threads: the staging ring (``PAGEABLE_STAGED``).
+        staging_piece_kib: the piece of a ring buffer's fill that one copy thread takes at a time
+            (0: an even share per thread). Pieces smaller than a share let the other threads finish
+            the share of one that the OS parked for the Python thread.
         min_slots / max_slots: range of GPU slots the planner may choose.
         host_ram_ratio: host RAM the preset promises, as a multiple of the streamed weight bytes.
     """
@@ -63,6 +66,7 @@ class Preset:
     staging_buffers: int = 0
     staging_buffer_mib: int = 0
     staging_threads: int = 0
+    staging_piece_kib: int = 0
     min_slots: int = 2
     max_slots: int = 4
     host_ram_ratio: str = "1.0x"

@@ -145,7 +145,8 @@ class HostSlabs(InMemoryStore):
         p, e = self.engine.preset, self.engine
         staging = ((p.staging_buffers, p.staging_buffer_mib << 20, p.staging_threads, True) if self.staged
                    else None)
-        return _native.Transport(e.device.type, e.device.index or 0, n_slots, copy_stream, staging)
+        return _native.Transport(e.device.type, e.device.index or 0, n_slots, copy_stream, staging,
+                                 piece_bytes=p.staging_piece_kib << 10)
 
     def fetch(self, transport: Any, u: int, slot: int, dst: int) -> None:
         transport.fetch(slot, dst, self.slabs.unit_ptr(u), self.slabs.unit_nbytes[u])
