@@ -1,0 +1,88 @@
+"""Where the host time of a replayed call goes (``graph=True``): a Flux-structured transformer of
+tiny width (ddo_blocks.tiny's config with 19 + 38 blocks, the module and parameter counts of Flux-dev, so the host's work per
+call is Flux's while the device's is small), offloaded on the GPU with graphs on, timed call by call
+after each synchronize, then profiled with ``cProfile`` over the same calls:
+
+    python -m benchmarks.graph_host --budget min --out "$OUT/graph-host"
+
+Prints and writes (``graph_host.json``, ``graph_host.txt``): the median host seconds of a call, the
+runner's own (``report()["graph"]``), the graph launch alone, and the profile's top entries. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.graph_host", description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget", default="min", help="'min', 'resident' or GiB (default min)")
+    p.add_argument("--device", default="cuda", help="cuda (default); cpu runs the same calls eagerly (a dry run)")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    import ddo_blocks
+    from ddo_blocks.tiny import flux_inputs
+
+    from .model import TINY, random_model
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("needs CUDA (or --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    cfg = {**TINY, "num_layers": 19, "num_single_layers": 38}
+    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    model = random_model(cfg, torch.device("cpu"))
+    x = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in flux_inputs(model).items()}
+    budget = (None if args.budget == "resident" else "min" if args.budget == "min"
+              else int(float(args.budget) * (1 << 30)))
+    handle = ddo_blocks.offload(model, vram_budget=budget, device=dev, graph=True, units="block")  # Flux's 57 units
+    host: list[float] = []
+    with torch.no_grad():
+        for _ in range(6):  # warm-up, the capture, a replay per slot state
+            model(**x)
+        sync()
+        for _ in range(args.calls):
+            t0 = time.perf_counter()
+            model(**x)
+            host.append(time.perf_counter() - t0)
+            sync()
+        prof = cProfile.Profile()
+        for _ in range(args.calls):
+            prof.enable()
+            model(**x)
+            prof.disable()
+            sync()
+    section = handle.report()["graph"]
+    plan = handle.report()["plan"]
+    handle.remove()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    doc = {"command": "python -m benchmarks.graph_host " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+           "modules": sum(1 for _ in model.modules()), "parameters": sum(1 for _ in model.parameters()),
+           "plan": {k: plan.get(k) for k in ("slots", "streamed_bytes", "resident_bytes", "units")},
+           "host_call_s": statistics.median(host), "host_call_min_s": min(host), "graph": section}
+    print(json.dumps({k: v for k, v in doc.items() if k != "graph"}, indent=1))
+    print(json.dumps(section, indent=1))
+    print(text.getvalue())
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "graph_host.json").write_text(json.dumps(doc, indent=1))
+        (args.out / "graph_host.txt").write_text(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
