@@ -182,18 +182,27 @@ def test_a_stateful_diffusers_hook_makes_calls_eager_with_the_reason(flux):
     handle.remove()
 
 
-@pytest.mark.parametrize("change", ["hook", "processor", "parameter"])
+@pytest.mark.parametrize("change", ["hook", "leaf_hook", "removed_hook", "processor", "parameter"])
 def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
     """What a graph bakes in and a user may change between calls: a forward hook on a block (it would
-    never run again), an attention processor, a resident parameter pointed at other memory."""
+    never run again), on a module that had none, a hook removed (it would run for ever), an attention
+    processor, a resident parameter pointed at other memory."""
     x, _, handle, runner = _offloaded(flux)
+    seen = []
+    early = flux.norm_out.register_forward_hook(lambda m, a, o: seen.append(0)) if change == "removed_hook" else None
     with torch.no_grad():
         for _ in range(5):
             flux(**x)
         assert runner.stats.replays > 0
-        seen = []
+        seen.clear()
         if change == "hook":
             flux.transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append(1))
+        elif change == "leaf_hook":
+            leaf = flux.transformer_blocks[0].attn.to_q
+            assert not leaf._forward_hooks
+            leaf.register_forward_hook(lambda m, a, o: seen.append(1))
+        elif change == "removed_hook":
+            early.remove()
         elif change == "processor":
             attn = flux.transformer_blocks[0].attn
             attn.processor = type(attn.processor)()
@@ -203,8 +212,7 @@ def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
         captures, eager = runner.stats.captures, runner.stats.eager_calls
         out = flux(**x)[0]
     assert runner.stats.eager_calls == eager + 1 and runner.stats.captures == captures  # not the old graph
-    if change == "hook":
-        assert seen == [1]
+    assert seen == ([1] if change.endswith("hook") and change != "removed_hook" else [])
     with torch.no_grad():
         ref = flux(**x)[0]
         for _ in range(2):

@@ -137,17 +137,11 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Mo
 _PROCESSOR = operator.attrgetter("processor")
 
 
-def _module_state(modules: list[nn.Module], params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
+def _module_state(scan: guards.HookScan, params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
     """What of the module a graph bakes in and a call could change: the forward hooks on every module
-    (their count and the newest hook's id: torch numbers hooks from one counter), each parameter's
-    memory, each attention processor's identity."""
-    count, newest = 0, -1
-    for m in modules:
-        for d in (m._forward_hooks, m._forward_pre_hooks):
-            if d:
-                count += len(d)
-                newest = max(newest, max(d))
-    return (count, newest, tuple(map(torch.Tensor.data_ptr, params)),
+    (their count and the newest hook's id), each parameter's memory, each attention processor's
+    identity."""
+    return (scan.torch_hooks(), tuple(map(torch.Tensor.data_ptr, params)),
             tuple(map(id, map(_PROCESSOR, processors))))
 
 
@@ -186,13 +180,13 @@ class GraphRunner:
         key, why = _signature(leaves, spec, self.device, sched.module)
         if key is not None:  # the entry point and what of the module the graph would bake in
             key = (getattr(method, "__name__", ""), key,
-                   _module_state(self._modules, self._params, self._processors))
+                   _module_state(sched.hook_scan, self._params, self._processors))
         if key is None or key != self._key:
             self._forget()
             self._key = key
         if key is None:
             return self._eager(method, args, kwargs, why)
-        on_top, stateful = guards.hooks_on(sched.module, self._modules)
+        on_top, stateful = sched.hook_scan.hooks_on()
         sched.refuse_on_top(on_top)
         if stateful is not None:
             self._forget()
@@ -334,14 +328,14 @@ class GraphRunner:
         sched, engine = self.scheduler, self.engine
         t0 = time.perf_counter()
         sched.check_grad()  # the hooks were looked at in call()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         engine.call_started()
         try:
             if copy_inputs:
-                self._wait_last(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+                self._wait_last(stream)
                 self._copy_inputs(leaves)
             start = end = None
-            if self.device.type == "cuda":
-                stream = torch.cuda.current_stream(self.device)
+            if stream is not None:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
             engine.before_replay(captured.start)
@@ -356,7 +350,7 @@ class GraphRunner:
                     sched.set_inflight(captured.end)
                     engine.after_replay()
             out = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, captured.out)
-            if self.device.type == "cuda":
+            if stream is not None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(stream)
                 self._last_done = end
