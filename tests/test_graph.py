@@ -5,6 +5,7 @@ instead of replaying a graph. The replay itself runs in tests/test_gpu_graph.py.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -182,7 +183,7 @@ def test_a_stateful_diffusers_hook_makes_calls_eager_with_the_reason(flux):
     handle.remove()
 
 
-@pytest.mark.parametrize("change", ["hook", "leaf_hook", "removed_hook", "processor", "parameter"])
+@pytest.mark.parametrize("change", ["hook", "leaf_hook", "new_dict_hook", "removed_hook", "processor", "parameter"])
 def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
     """What a graph bakes in and a user may change between calls: a forward hook on a block (it would
     never run again), on a module that had none, a hook removed (it would run for ever), an attention
@@ -200,6 +201,10 @@ def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
         elif change == "leaf_hook":
             leaf = flux.transformer_blocks[0].attn.to_q
             assert not leaf._forward_hooks
+            leaf.register_forward_hook(lambda m, a, o: seen.append(1))
+        elif change == "new_dict_hook":  # code that clears hooks by giving a module a new dict
+            leaf = flux.transformer_blocks[0].attn.to_k
+            leaf._forward_hooks = collections.OrderedDict()
             leaf.register_forward_hook(lambda m, a, o: seen.append(1))
         elif change == "removed_hook":
             early.remove()

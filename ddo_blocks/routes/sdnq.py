@@ -138,7 +138,8 @@ PRESETS = (
            "exact-size slabs, one async copy per unit; the layers' own forward computes on the device",
            HostMode.PINNED_SLABS, host_ram_ratio="1.0x packed weights"),
     Preset("sdnq", "sdnq_low_ram",
-           "as sdnq, with pageable slabs through a 4 x 32 MiB pinned staging ring (no pinned copy of the weights)",
+           "as sdnq, with pageable slabs through a 4 x 32 MiB pinned staging ring filled in 1 MiB pieces (no "
+           "pinned copy of the weights)",
            HostMode.PAGEABLE_STAGED, staging_buffers=4, staging_buffer_mib=32, staging_threads=staging_threads(),
            staging_piece_kib=1024, host_ram_ratio="1.0x packed + 128 MiB"),
 )

@@ -53,7 +53,8 @@ class Preset:
         staging_buffers / staging_buffer_mib / staging_threads: the staging ring (``PAGEABLE_STAGED``).
         staging_piece_kib: the piece of a ring buffer's fill that one copy thread takes at a time
             (0: an even share per thread). Pieces smaller than a share let the other threads finish
-            the share of one that the OS parked for the Python thread.
+            the share of one that the OS parked for the Python thread. Rounded down to 64 bytes, at
+            least 64 KiB.
         min_slots / max_slots: range of GPU slots the planner may choose.
         host_ram_ratio: host RAM the preset promises, as a multiple of the streamed weight bytes.
     """

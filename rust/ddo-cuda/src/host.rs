@@ -9,8 +9,8 @@ use crate::error::{CudaError, Result};
 
 /// Below this size a host copy runs on one thread.
 const SERIAL_MAX: usize = 1 << 20;
-/// Chunks of a parallel copy are at least this big (smaller ones cost more in scheduling than they
-/// gain) and at most `MAX_CHUNK`, so every thread of the pool gets work on a 64 MiB staging buffer.
+/// Chunks of a parallel copy without a piece size (an even share per thread) are at least this big
+/// (smaller ones cost more in scheduling than they gain) and at most `MAX_CHUNK`.
 const MIN_CHUNK: usize = 1 << 20;
 const MAX_CHUNK: usize = 8 << 20;
 /// The smallest piece [`copy_host_pieces`] takes when asked for a piece size.
