@@ -128,6 +128,11 @@ def test_a_model_that_syncs_with_the_host_falls_back_to_eager():
     assert g["status"].startswith("off: capture failed"), g
     assert g["capture_failures"] == 1 and g["replays"] == 0, g
     handle.remove()
+    # the failed capture left the process's random numbers working, and where they were
+    state = torch.cuda.get_rng_state()
+    first = torch.randn(8, device="cuda")
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.randn(8, device="cuda"), first)
 
 
 def test_graph_with_a_codec_or_a_staging_ring_runs_eagerly_and_says_why():

@@ -95,12 +95,36 @@ class TorchGraphs:
 
     def capture(self, body: Any, stream: torch.cuda.Stream) -> tuple[Any, Any]:
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-            out = body()
+        try:
+            with torch.cuda.graph(g, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                out = body()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the capture's own error is the one to see
+                repair_generator(stream.device)
+            raise
         return g, out
 
     def replay(self, graph: Any) -> None:
         graph.replay()
+
+
+def repair_generator(device: torch.device) -> None:
+    """After a capture that failed: a capture that ends in an error can leave the device's default
+    random generator marked as capturing (torch runs its epilogue only after a successful end), and
+    every later random draw on the device then fails ("Offset increment outside graph capture
+    encountered unexpectedly"; seen on torch 2.11 in a later test of the same process). Probes the
+    generator with its state saved and restored, and when the probe fails, gives it a fresh state
+    with the same seed and offset."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    saved = gen.get_state()
+    try:
+        torch.empty(1, device=device).uniform_()
+    except RuntimeError:
+        fresh = torch.Generator(device=device)
+        fresh.set_state(saved)
+        gen.graphsafe_set_state(fresh)
+    else:
+        gen.set_state(saved)  # the probe's draw leaves no trace in the user's random numbers
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
