@@ -112,7 +112,8 @@ def repair_generator(device: torch.device) -> None:
     """After a capture that failed: a capture that ends in an error can leave the device's default
     random generator marked as capturing (torch runs its epilogue only after a successful end), and
     every later random draw on the device then fails ("Offset increment outside graph capture
-    encountered unexpectedly"; seen on torch 2.11 in a later test of the same process). Probes the
+    encountered unexpectedly": the likely cause of that error in a later test of the same process on
+    torch 2.11, after the failed-capture test; this repair has not run on a GPU yet). Probes the
     generator with its state saved and restored, and when the probe fails, gives it a fresh state
     with the same seed and offset."""
     gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
