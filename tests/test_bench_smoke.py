@@ -269,6 +269,27 @@ def test_host_contention_probe_says_it_needs_cuda_without_one(capsys):
     assert "needs CUDA" in capsys.readouterr().err
 
 
+def test_graph_host_benchmark_runs_on_the_cpu(tmp_path):
+    from benchmarks import graph_host
+
+    assert graph_host.main(["--device", "cpu", "--calls", "2", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "graph_host.json").read_text())
+    assert doc["modules"] == 1279 and doc["plan"]["units"] == 57  # Flux-dev's structure
+    assert doc["host_call_s"] > 0 and doc["graph"]["status"].startswith("off: CUDA graphs need a CUDA device")
+    assert "function calls" in (tmp_path / "graph_host.txt").read_text()
+
+
+def test_staging_sweep_says_it_needs_cuda_without_one(capsys):
+    import torch
+
+    from benchmarks import staging
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run the sweep itself (docs/gpu.md)")
+    assert staging.main(["--buffers", "2"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+
+
 def test_a_replan_row_replans_before_its_timing(tmp_path: Path):
     out = tmp_path / "replan"
     _run(["-m", "benchmarks.run", "--device", "cpu", "--tiny", "--routes", "ours:one_shot_fast+tiered+replan",

@@ -26,7 +26,7 @@ What makes the replay right:
   calls again: classifier-free guidance).
 - **The key** of a call: its entry point; its inputs' shapes, strides and dtypes and its plain
   values; the grad, inference, autocast and training modes; and what of the module a graph bakes in
-  (every forward hook in the tree, each parameter's memory, each attention processor). A different
+  (every forward hook in the tree, each resident parameter's memory, each attention processor). A different
   key drops the graphs and runs eagerly, as do a scheduler not in a steady state, a changed order, an
   input on another device or of another kind, and diffusers hooks (they change calls step by step).
   A failed capture (a host sync, a data-dependent branch, an allocation the graph cannot make) runs
@@ -164,8 +164,8 @@ _PROCESSOR = operator.attrgetter("processor")
 
 def _module_state(scan: guards.HookScan, params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
     """What of the module a graph bakes in and a call could change: the forward hooks on every module
-    (their count and the newest hook's id), each parameter's memory, each attention processor's
-    identity."""
+    (their count and the newest hook's id), each resident parameter's memory, each attention
+    processor's identity."""
     return (scan.torch_hooks(), tuple(map(torch.Tensor.data_ptr, params)),
             tuple(map(id, map(_PROCESSOR, processors))))
 
@@ -193,7 +193,10 @@ class GraphRunner:
         self._side: torch.cuda.Stream | None = None
         self._last_done: Any = None
         self._modules: list[nn.Module] = scheduler.modules  # listed at install, before the runner is made
-        self._params = list(scheduler.module.parameters())
+        rebound = {id(p) for u in scheduler.streamed for _, p in u.params}
+        self._params = [p for p in scheduler.module.parameters() if id(p) not in rebound]
+        """The parameters whose memory the key holds: the resident ones (a streamed one is pointed at its
+        slot by the engine, eagerly as in the graph, whatever it was pointed at)."""
         self._processors = [m for m in self._modules if hasattr(m, "processor")]
 
     # ---------------------------------------------------------------------------------------------
