@@ -144,7 +144,7 @@ class HookScan:
     """What :func:`hooks_on` and a CUDA graph's key read from a component's modules, read in a few
     passes that run in C (``map``/``filter`` over the modules' ``__dict__``, listed once; each call
     looks the hook dicts up again, since code may replace them: ``m._forward_hooks = OrderedDict()``):
-    0.2 instead of 0.36 ms a call for Flux's 1279 modules on a 2-core EPYC. What it finds is the
+    0.12 instead of 0.31 ms a call for Flux's 1279 modules on a 2-core EPYC. What it finds is the
     same as the walk's; when something is found, the walk runs to name it."""
 
     def __init__(self, module: nn.Module, modules: list[nn.Module]):
