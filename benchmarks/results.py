@@ -279,7 +279,8 @@ def markdown(doc: dict[str, Any]) -> str:
         if (r.get("streamed_bytes_source") or "").startswith("estimate"):
             notes.append("streamed = weights - GPU alloc after attach")
         if (r.get("roofline_kind") or "").startswith("max(compute, streamed / min"):
-            notes.append(f"low_ram_safe bound (host copy x{r.get('host_copy_threads')})")
+            pinned = f"; {r['ratio_pinned']:.2f}x of the pinned-link roofline" if r.get("ratio_pinned") else ""
+            notes.append(f"low_ram_safe bound (host copy x{r.get('host_copy_threads')}){pinned}")
         if r.get("roofline_partial"):
             notes.append("partial roofline")
         if r.get("warm_setup_s") is not None:

@@ -80,6 +80,8 @@ def test_rows_have_the_fields(tiny_run: Path):
     for preset in ("one_shot_fast", "low_ram_safe", "warm_process"):
         assert ("ours", preset, "min") in ok, preset
     assert ("resident", None, None) in ok
+    # the staged preset's row is read against both bounds: its own and the pinned link's
+    assert "x of the pinned-link roofline" in (tiny_run / "results.md").read_text()
     assert ("diffusers", "block_level", None) in ok and ("diffusers", "leaf_level", None) in ok
     # DDO rc2 is CUDA-only: its rows are skipped with a note, not errors
     ddo = [r for r in rows if r["route"] == "ddo"]
