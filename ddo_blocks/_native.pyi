@@ -308,6 +308,11 @@ class SlabLayout:
     def placements(self) -> list[UnitPlacement]:
         """Per unit, in order."""
 
+def scan_module_dicts(
+    dicts: list[dict[str, Any]],
+) -> tuple[int, int, list[tuple[int, Any | None, Any | None]]]:
+    """One pass over modules' ``__dict__``s: ``(forward hook count, newest hook id or -1, found)``,
+    ``found`` being ``(index, _diffusers_hook or None, _hf_hook or None)`` for each module with either."""
 def plan(
     unit_bytes: Sequence[int],
     *,

@@ -51,8 +51,6 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import guards
-
 WARMUP_CALLS = 3
 """Calls a component runs eagerly before its first capture: the order is learned on the first, the
 calibration runs on the second, the third is a steady call."""
@@ -162,12 +160,11 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Mo
 _PROCESSOR = operator.attrgetter("processor")
 
 
-def _module_state(scan: guards.HookScan, params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
+def _module_state(torch_hooks: tuple[int, int], params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
     """What of the module a graph bakes in and a call could change: the forward hooks on every module
-    (their count and the newest hook's id), each resident parameter's memory, each attention
-    processor's identity."""
-    return (scan.torch_hooks(), tuple(map(torch.Tensor.data_ptr, params)),
-            tuple(map(id, map(_PROCESSOR, processors))))
+    (their count and the newest hook's id, ``guards.HookScan``), each resident parameter's memory,
+    each attention processor's identity."""
+    return (torch_hooks, tuple(map(torch.Tensor.data_ptr, params)), tuple(map(id, map(_PROCESSOR, processors))))
 
 
 class GraphRunner:
@@ -206,15 +203,14 @@ class GraphRunner:
             return sched.eager_call(method, args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key, why = _signature(leaves, spec, self.device, sched.module)
+        torch_hooks, (on_top, stateful) = sched.hook_scan.scan()
         if key is not None:  # the entry point and what of the module the graph would bake in
-            key = (getattr(method, "__name__", ""), key,
-                   _module_state(sched.hook_scan, self._params, self._processors))
+            key = (getattr(method, "__name__", ""), key, _module_state(torch_hooks, self._params, self._processors))
         if key is None or key != self._key:
             self._forget()
             self._key = key
         if key is None:
             return self._eager(method, args, kwargs, why)
-        on_top, stateful = sched.hook_scan.hooks_on()
         sched.refuse_on_top(on_top)
         if stateful is not None:
             self._forget()

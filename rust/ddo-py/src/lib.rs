@@ -4,6 +4,7 @@
 
 mod codec;
 mod errors;
+mod hooks;
 mod index;
 mod kernel;
 mod planning;
@@ -16,6 +17,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
+    hooks::register(m)?;
     planning::register(m)?;
     index::register(m)?;
     transport::register(m)?;

@@ -1,0 +1,98 @@
+"""``guards.HookScan``: the one-pass scan (Rust, ``_native.scan_module_dicts``) that the per-call hook
+checks and a CUDA graph's key read, against the Python walks it replaced."""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import torch
+from torch import nn
+
+from ddo_blocks import _native
+from ddo_blocks.streaming import guards
+
+
+def _tree() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)), nn.GELU())
+
+
+def _walk(modules: list[nn.Module]) -> tuple[int, int]:
+    """The Python walk of the hook dicts that the graph key used before the scan."""
+    count, newest = 0, -1
+    for m in modules:
+        for d in (m._forward_hooks, m._forward_pre_hooks):
+            if d:
+                count += len(d)
+                newest = max(newest, max(d))
+    return count, newest
+
+
+def test_the_scan_counts_hooks_as_the_walk_does():
+    model = _tree()
+    modules = list(model.modules())
+    scan = guards.HookScan(model, modules)
+    assert scan.scan()[0] == _walk(modules) == (0, -1)
+    handles = [modules[1].register_forward_hook(lambda m, a, o: None),
+               modules[4].register_forward_pre_hook(lambda m, a: None),
+               modules[4].register_forward_hook(lambda m, a, o: None, always_call=True)]
+    assert scan.scan()[0] == _walk(modules) and scan.scan()[0][0] == 3
+    handles[0].remove()
+    assert scan.scan()[0] == _walk(modules) and scan.scan()[0][0] == 2
+    # a hook dict replaced by code that clears hooks, then a hook added to the new one
+    modules[3]._forward_hooks = collections.OrderedDict()
+    modules[3].register_forward_hook(lambda m, a, o: None)
+    assert scan.scan()[0] == _walk(modules) and scan.scan()[0][0] == 3
+    # a mapping that is not a dict is counted as Python counts it
+    modules[2].__dict__["_forward_pre_hooks"] = types.MappingProxyType({10**6: lambda m, a: None})
+    assert scan.scan()[0] == (4, 10**6)
+
+
+def test_the_scan_finds_registries_and_accelerate_hooks_and_names_only_foreign_ones():
+    model = _tree()
+    modules = list(model.modules())
+    scan = guards.HookScan(model, modules)
+    assert scan.scan()[1] == (None, None) and _native.scan_module_dicts([m.__dict__ for m in modules])[2] == []
+
+    class Owned:
+        _ddo_owned = True
+
+    modules[1]._hf_hook = Owned()  # ours (the execution-device hook): nothing to refuse
+    (_, _, found) = _native.scan_module_dicts([m.__dict__ for m in modules])
+    assert [(i, r, type(h)) for i, r, h in found] == [(1, None, Owned)]
+    assert scan.hooks_on() == (None, None) == guards.hooks_on(model, modules)
+
+    class EmptyRegistry:
+        hooks: dict = {}
+
+        def get_hook(self, name):
+            return None
+
+    modules[3]._diffusers_hook = EmptyRegistry()  # a registry whose hooks were all removed
+    assert scan.hooks_on() == (None, None) == guards.hooks_on(model, modules)
+
+    class Cache:
+        hooks = {"first_block_cache": object()}
+
+        def get_hook(self, name):
+            return None
+
+    modules[3]._diffusers_hook = Cache()
+    assert scan.hooks_on() == guards.hooks_on(model, modules)
+    assert scan.hooks_on()[1] is not None and "first_block_cache" in scan.hooks_on()[1]
+
+    class Foreign:  # an accelerate hook: offloading on top
+        pass
+
+    modules[4]._hf_hook = Foreign()
+    on_top, _ = scan.hooks_on()
+    assert on_top is not None and "accelerate hook" in on_top and on_top == guards.hooks_on(model, modules)[0]
+
+
+def test_the_scan_sees_an_attribute_set_to_none_as_absent():
+    model = _tree()
+    modules = list(model.modules())
+    modules[2]._hf_hook = None
+    assert _native.scan_module_dicts([m.__dict__ for m in modules])[2] == []
+    assert guards.HookScan(model, modules).hooks_on() == (None, None)
+    assert torch.is_tensor(model(torch.ones(1, 4)))  # the model is untouched
