@@ -121,6 +121,7 @@ def test_a_model_that_syncs_with_the_host_falls_back_to_eager():
         ref = model.to("cuda")(x)
     model.to("cpu")
     handle = ddo_blocks.offload(model, vram_budget=ddo_blocks.minimum_budget(model), device="cuda", graph=True)
+    rng = torch.cuda.get_rng_state()
     with torch.no_grad():
         for _ in range(6):
             assert torch.equal(model(x), ref)
@@ -129,9 +130,9 @@ def test_a_model_that_syncs_with_the_host_falls_back_to_eager():
     assert g["capture_failures"] == 1 and g["replays"] == 0, g
     handle.remove()
     # the failed capture left the process's random numbers working, and where they were
-    state = torch.cuda.get_rng_state()
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
     first = torch.randn(8, device="cuda")
-    torch.cuda.set_rng_state(state)
+    torch.cuda.set_rng_state(rng)
     assert torch.equal(torch.randn(8, device="cuda"), first)
 
 

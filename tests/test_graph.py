@@ -225,3 +225,20 @@ def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
     assert torch.equal(out, ref)
     assert runner.stats.captures > captures  # captured anew with the change in it
     handle.remove()
+
+
+def test_a_streamed_parameter_pointed_elsewhere_keeps_the_graph(flux):
+    """A streamed parameter is pointed at its slot at every eager call, so the key leaves it out: a
+    user's ``p.data = ...`` on it changes nothing eagerly nor in a replay, and the graph stays."""
+    x, ref, handle, runner = _offloaded(flux)
+    with torch.no_grad():
+        for _ in range(5):
+            flux(**x)
+        captures, replays = runner.stats.captures, runner.stats.replays
+        assert replays > 0
+        _, p = handle.engine.streamed[0].params[0]
+        p.data = torch.zeros_like(p.data)
+        out = flux(**x)[0]
+    assert runner.stats.captures == captures and runner.stats.replays == replays + 1
+    assert torch.equal(out, ref)
+    handle.remove()

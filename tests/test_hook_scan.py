@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import types
 
-import torch
 from torch import nn
 
 from ddo_blocks import _native
@@ -95,4 +94,15 @@ def test_the_scan_sees_an_attribute_set_to_none_as_absent():
     modules[2]._hf_hook = None
     assert _native.scan_module_dicts([m.__dict__ for m in modules])[2] == []
     assert guards.HookScan(model, modules).hooks_on() == (None, None)
-    assert torch.is_tensor(model(torch.ones(1, 4)))  # the model is untouched
+
+
+def test_hook_keys_that_are_not_torch_ids_are_keyed_not_refused():
+    model = _tree()
+    modules = list(model.modules())
+    scan = guards.HookScan(model, modules)
+    modules[1]._forward_hooks["probe"] = lambda m, a, o: None  # someone's own key
+    modules[2]._forward_hooks[2**70] = lambda m, a, o: None
+    (count, newest), on = scan.scan()
+    assert count == 2 and on == (None, None)
+    del modules[1]._forward_hooks["probe"]
+    assert scan.scan()[0] != (count, newest)  # a change is still seen

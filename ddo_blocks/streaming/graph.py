@@ -111,19 +111,34 @@ def repair_generator(device: torch.device) -> None:
     random generator marked as capturing (torch runs its epilogue only after a successful end), and
     every later random draw on the device then fails ("Offset increment outside graph capture
     encountered unexpectedly": the likely cause of that error in a later test of the same process on
-    torch 2.11, after the failed-capture test; this repair has not run on a GPU yet). Probes the
-    generator with its state saved and restored, and when the probe fails, gives it a fresh state
-    with the same seed and offset."""
+    torch 2.11, after the failed-capture test; this repair has not run on a GPU yet).
+
+    Probes the generator with its state saved and restored. When the probe fails, a trivial capture
+    that ends well clears the mark on the same state object (graphs captured earlier keep theirs);
+    should the probe still fail, the generator gets a fresh state with the same seed and offset."""
     gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     saved = gen.get_state()
+
+    def draws() -> bool:
+        try:
+            torch.empty(1, device=device).uniform_()
+        except torch.cuda.OutOfMemoryError:
+            return True  # not the generator's fault
+        except RuntimeError:
+            return False
+        return True
+
     try:
-        torch.empty(1, device=device).uniform_()
-    except RuntimeError:
-        fresh = torch.Generator(device=device)
-        fresh.set_state(saved)
-        gen.graphsafe_set_state(fresh)
-    else:
-        gen.set_state(saved)  # the probe's draw leaves no trace in the user's random numbers
+        if draws():
+            return
+        with contextlib.suppress(Exception), torch.cuda.device(device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.empty(1, device=device).zero_()
+        if not draws():
+            fresh = torch.Generator(device=device)
+            fresh.set_state(saved)
+            gen.graphsafe_set_state(fresh)
+    finally:
+        gen.set_state(saved)  # the probes' draws leave no trace in the user's random numbers
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)

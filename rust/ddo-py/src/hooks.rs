@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyList};
 /// Returns `(hook count, newest hook id or -1, found)` where `found` lists, in module order,
 /// `(index, registry or None, hf hook or None)` for every module that has either attribute.
 /// A hook dict that is not a dict (someone replaced it with another mapping) is counted through
-/// `len()` and its keys' `max()` as Python would.
+/// `len()` and its keys as it iterates them.
 #[pyfunction]
 #[allow(clippy::type_complexity)]
 fn scan_module_dicts<'py>(
@@ -35,22 +35,18 @@ fn scan_module_dicts<'py>(
             let Some(hooks) = d.get_item(key)? else {
                 continue;
             };
-            if let Ok(hooks) = hooks.cast::<PyDict>() {
-                if hooks.is_empty() {
-                    continue;
+            if !hooks.is_truthy()? {
+                continue;
+            }
+            count += hooks.len()?;
+            if let Ok(dict) = hooks.cast::<PyDict>() {
+                for (k, _) in dict.iter() {
+                    newest = newest.max(key_id(&k)?);
                 }
-                count += hooks.len();
-                for k in hooks.keys() {
-                    newest = newest.max(k.extract::<i64>()?);
+            } else {
+                for k in hooks.try_iter()? {
+                    newest = newest.max(key_id(&k?)?); // a mapping's keys, as Python iterates it
                 }
-            } else if hooks.is_truthy()? {
-                count += hooks.len()?;
-                let top = py
-                    .import("builtins")?
-                    .getattr("max")?
-                    .call1((hooks,))?
-                    .extract::<i64>()?;
-                newest = newest.max(top);
             }
         }
         let registry = d.get_item(registry_key)?.filter(|r| !r.is_none());
@@ -60,6 +56,15 @@ fn scan_module_dicts<'py>(
         }
     }
     Ok((count, newest, found))
+}
+
+/// A hook's id: torch's are ints from one counter. Any other key (a string, an int past `i64`) is
+/// put in the key by its hash, which is stable within the process, rather than refused.
+fn key_id(k: &Bound<'_, PyAny>) -> PyResult<i64> {
+    match k.extract::<i64>() {
+        Ok(v) => Ok(v),
+        Err(_) => Ok(k.hash()? as i64),
+    }
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
