@@ -292,7 +292,7 @@ class GraphRunner:
             side.wait_stream(cur)
             # The graph's pool takes a call's activations a second time, beside the blocks the eager
             # calls left cached: give those back first (a 2048x2048 capture under the auto budget ran
-            # out of memory without it).
+            # out of memory beside them on the H200; this has not run on a GPU since).
             torch.cuda.empty_cache()
         bytes0 = engine.bytes_moved()
         orders = sched.stats.order_changes
