@@ -114,6 +114,8 @@ def test_replays_are_exact_and_cycle_through_the_slot_states(flux, units, states
     assert section["replays"] == 10 - 3, section  # three eager warm-up calls
     assert section["status"] == "replaying"
     assert section["host_replay_s"] is not None and section["host_launch_s"] is not None
+    # a call's host time holds its key and checks and the replay, which holds the launch
+    assert section["host_call_s"] >= section["host_replay_s"] >= section["host_launch_s"] > 0
     # the scheduler is where an eager call would have left it
     assert len(handle.engine.scheduler.inflight_state()[0]) == k
     assert runner.stats.eager_calls == 3

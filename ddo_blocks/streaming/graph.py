@@ -80,6 +80,7 @@ class GraphStats:
     failures: int = 0
     host_s: list[float] = field(default_factory=list)
     launch_s: list[float] = field(default_factory=list)
+    call_s: list[float] = field(default_factory=list)
 
 
 class TorchGraphs:
@@ -213,6 +214,7 @@ class GraphRunner:
 
     # ---------------------------------------------------------------------------------------------
     def call(self, method: Any, args: tuple, kwargs: dict) -> Any:
+        t_call = time.perf_counter()
         sched = self.scheduler
         if self.off_reason is not None:
             return sched.eager_call(method, args, kwargs)
@@ -233,7 +235,7 @@ class GraphRunner:
         state = sched.inflight_state()
         captured = self._graphs.get(state)
         if captured is not None:
-            return self._replay(captured, leaves, copy_inputs=True)
+            return self._replay(captured, leaves, copy_inputs=True, t_call=t_call)
         why = self._not_ready(state)
         if why is None:
             out = self._capture(method, leaves, spec, state)
@@ -367,7 +369,9 @@ class GraphRunner:
             if s is not None and x is not s:
                 s.copy_(x)
 
-    def _replay(self, captured: Captured, leaves: list[Any], copy_inputs: bool) -> Any:
+    def _replay(self, captured: Captured, leaves: list[Any], copy_inputs: bool, t_call: float | None = None) -> Any:
+        """Replays ``captured``; ``t_call``: when the call began (the key and the checks before it
+        count in the call's host time), ``None`` for the replay that ends a capture."""
         sched, engine = self.scheduler, self.engine
         t0 = time.perf_counter()
         sched.check_grad()  # the hooks were looked at in call()
@@ -408,6 +412,9 @@ class GraphRunner:
             self.stats.host_s.append(host_s)
             self.stats.launch_s.append(launch_s)
             del self.stats.host_s[:-MAX_HOST_TIMES], self.stats.launch_s[:-MAX_HOST_TIMES]
+            if t_call is not None:
+                self.stats.call_s.append(time.perf_counter() - t_call)
+                del self.stats.call_s[:-MAX_HOST_TIMES]
         sched.record_replay(start, end, captured.h2d_bytes, host_s)
         return out
 
@@ -445,4 +452,5 @@ class GraphRunner:
             "capture_failures": self.stats.failures,
             "host_replay_s": statistics.median(host) if host else None,
             "host_launch_s": statistics.median(self.stats.launch_s) if self.stats.launch_s else None,
+            "host_call_s": statistics.median(self.stats.call_s) if self.stats.call_s else None,
         }
