@@ -158,7 +158,8 @@ def test_warm_process_reuse_on_cuda():
     handle.remove()
 
 
-def test_auto_budget_on_a_card_the_model_does_not_fit(monkeypatch):
+@pytest.mark.parametrize("graph", [False, True])
+def test_auto_budget_on_a_card_the_model_does_not_fit(monkeypatch, graph):
     from ddo_blocks import autobudget
 
     # the default 256 MiB margin dwarfs this 40 MiB model; a first budget of a quarter keeps it streaming
@@ -177,11 +178,14 @@ def test_auto_budget_on_a_card_the_model_does_not_fit(monkeypatch):
     keep = int(0.6 * weights) + activations + (128 << 20)
     blocker = torch.empty(free - keep, dtype=torch.uint8, device="cuda")
     try:
-        handle = ddo_blocks.offload(model, vram_budget="auto", device="cuda")
+        handle = ddo_blocks.offload(model, vram_budget="auto", device="cuda", graph=graph)
         first = handle.vram_budget
         with torch.no_grad():
-            outs = [model(**x)[0] for _ in range(3)]
+            outs = [model(**x)[0] for _ in range(8 if graph else 3)]
         assert all(torch.equal(o, ref) for o in outs)
+        if graph:  # captured beside the auto budget's plan, on the card as full as it is
+            g = handle.report()["graph"]
+            assert g["capture_failures"] == 0 and g["replays"] > 0, g
         auto = handle.report()["auto_budget"]
         assert auto["first_budget_bytes"] == first and auto["activation_bytes"] > 0
         assert handle.vram_budget > first and auto["replanned_budget_bytes"] == handle.vram_budget, auto
