@@ -205,12 +205,11 @@ class GraphRunner:
         self._graphs: dict[tuple, Captured] = {}
         self._side: torch.cuda.Stream | None = None
         self._last_done: Any = None
-        self._modules: list[nn.Module] = scheduler.modules  # listed at install, before the runner is made
         rebound = {id(p) for u in scheduler.streamed for _, p in u.params}
         self._params = [p for p in scheduler.module.parameters() if id(p) not in rebound]
         """The parameters whose memory the key holds: the resident ones (a streamed one is pointed at its
         slot by the engine, eagerly as in the graph, whatever it was pointed at)."""
-        self._processors = [m for m in self._modules if hasattr(m, "processor")]
+        self._processors = [m for m in scheduler.modules if hasattr(m, "processor")]  # listed at install
 
     # ---------------------------------------------------------------------------------------------
     def call(self, method: Any, args: tuple, kwargs: dict) -> Any:
@@ -220,14 +219,16 @@ class GraphRunner:
             return sched.eager_call(method, args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key, why = _signature(leaves, spec, self.device, sched.module)
+        if key is None:
+            self._forget()
+            self._key = None
+            return self._eager(method, args, kwargs, why)  # its own checks scan the hooks
         torch_hooks, (on_top, stateful) = sched.hook_scan.scan()
-        if key is not None:  # the entry point and what of the module the graph would bake in
-            key = (getattr(method, "__name__", ""), key, _module_state(torch_hooks, self._params, self._processors))
-        if key is None or key != self._key:
+        # the entry point and what of the module the graph would bake in
+        key = (getattr(method, "__name__", ""), key, _module_state(torch_hooks, self._params, self._processors))
+        if key != self._key:
             self._forget()
             self._key = key
-        if key is None:
-            return self._eager(method, args, kwargs, why)
         sched.refuse_on_top(on_top)
         if stateful is not None:
             self._forget()
