@@ -33,6 +33,49 @@ def _digest(t: Any) -> str:
     return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
+def _plan_figures(handle: Any, rep: dict[str, Any]) -> dict[str, Any]:
+    """The plan the offload chose and what its calibration call measured, unit by unit (the
+    planner's inputs, to study its choice offline)."""
+    plan, runtime = rep["plan"], rep["runtime"]
+    engine = handle.engine
+    cal = engine.scheduler.calibration
+    measured = cal.resolve(len(engine.units)) if cal is not None and cal.end is not None else None
+    return {
+        "granularity": plan.get("unit_granularity"), "slots": plan.get("slots"), "slot_bytes": plan.get("slot_bytes"),
+        "resident_units": plan.get("resident_units"), "streamed_units": plan.get("streamed_units"),
+        "predicted_step_s": plan.get("predicted_step_s"),
+        "calibrated_predicted_step_s": runtime.get("calibrated_predicted_step_s"),
+        "measured_plan_step_s": plan.get("measured_plan_step_s"), "measured_plan_gain": plan.get("measured_plan_gain"),
+        "base_bytes": engine.unit_plan.base_bytes, "unit_bytes": list(engine.unit_bytes),
+        "resident": [bool(r) for r in engine.plan.resident],
+        "unit_compute_s": measured["unit_compute_s"] if measured else None,
+        "rest_s": measured["rest_s"] if measured else None,
+    }
+
+
+def _replanned(handle: Any, model: Any, x: dict[str, Any], dev: Any, args: Any, warmup: int, resident_s: float,
+               link: float, digest: str) -> dict[str, Any]:
+    """``handle.replan()`` and the calls timed again at the plan it attached."""
+    import time
+
+    from ddo_blocks import OffloadStateError
+
+    t0 = time.perf_counter()
+    try:
+        changed = handle.replan()
+    except OffloadStateError as exc:  # nothing streamed: nothing to re-plan
+        return {"changed": False, "reason": str(exc)}
+    out: dict[str, Any] = {"changed": changed, "replan_s": time.perf_counter() - t0}
+    if changed:
+        t = time_forward(model, x, dev, repeats=args.repeats, warmup=warmup, keep_output=True)
+        rep = handle.report().to_dict()
+        roof = max(resident_s, rep["plan"]["streamed_bytes"] / link)
+        out.update(step_s=t.step_s, roofline_s=roof, ratio=t.step_s / roof, exact=_digest(t.output[0]) == digest,
+                   streamed_bytes=rep["plan"]["streamed_bytes"], plan=_plan_figures(handle, rep))
+        del t
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.auto_budget", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -42,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--graph", action="store_true",
                    help="graph=True: the steady calls replayed as CUDA graphs (more warm-up calls: the captures)")
+    p.add_argument("--replan", action="store_true",
+                   help="after the timed calls, OffloadHandle.replan() (the measured compute) and the calls timed again")
     p.add_argument("--out", default="benchmarks/results/auto-budget")
     args = p.parse_args(argv)
 
@@ -103,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                        graph=rep.get("graph"), host_call_s=statistics.median(t.host_times) if t.host_times else None,
                        # the filler tensor is allocated through PyTorch too: not counted
                        gpu_peak_allocated=torch.cuda.max_memory_allocated(dev) - blocked if dev.type == "cuda" else None)
+            row["plan"] = _plan_figures(handle, rep)
             del t
+            if args.replan:
+                row["replan"] = _replanned(handle, model, x, dev, args, warmup, resident_s=resident[side][0], link=link,
+                                           digest=resident[side][1])
             handle.remove()
         except torch.OutOfMemoryError as exc:
             row.update(status="out of memory", error=str(exc).splitlines()[0], exact=False)
