@@ -6,8 +6,8 @@ roofline of the budget it chose.
 Builds the Flux-dev-sized transformer (random bf16 weights, built on the device, moved to the host),
 measures its resident step at each resolution on the whole card, then fills the card so that only
 ``--card`` GiB stay free (a smaller card, simulated) and offloads with ``vram_budget="auto"``: the
-first call runs at half the free memory and measures its activations, after it the component is
-re-planned once. Per resolution: the first and re-planned budgets, the measured activations, the
+first call runs at half the free memory and measures its activations, the second each unit's compute,
+after it the component is re-planned once. Per resolution: the first and re-planned budgets, the measured activations, the
 steady step, its roofline ``max(resident step, streamed / link)`` at the chosen plan, peak GPU memory
 and whether the output equals the resident one (compared as a hash of its bytes).
 """
@@ -132,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.reset_peak_memory_stats(dev)
             handle = ddo_blocks.offload(model, vram_budget="auto", device=dev, component="transformer",
                                         **({"graph": True} if args.graph else {}))
-            # with graphs: the re-plan after the first call starts a new engine, whose first calls are
-            # eager, then one capture per slot state (at most 4)
-            warmup = 2 + (WARMUP_CALLS + 4 if args.graph else 0)
+            # the first call measures the activations, the second each unit's compute, then the re-plan
+            # starts a new engine; with graphs its first calls are eager, then one capture per slot state
+            # (at most 4)
+            warmup = 3 + (WARMUP_CALLS + 4 if args.graph else 0)
             t = time_forward(model, x, dev, repeats=args.repeats, warmup=warmup, keep_output=True)
             rep = handle.report().to_dict()
             auto, plan = rep["auto_budget"], rep["plan"]

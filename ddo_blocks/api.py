@@ -124,13 +124,36 @@ class OffloadHandle:
         new = auto.decide()
         if new is None:
             return
-        failed = self._attach_again(new, fallback_budget=self.vram_budget)  # the call is done
+        if getattr(engine, "streamed", None) and hasattr(engine, "measured_for"):
+            # The next call measures each unit's compute (the calibration call): the re-plan waits
+            # for it, so that the one re-plan places the resident units by measured compute, not by
+            # the prior's bytes (a block's modulation weights stream without compute to hide them).
+            auto.pending_bytes = new
+            engine.after_entry_call = self._after_calibration_call
+            return
+        self._auto_replan(new, None)
+
+    def _after_calibration_call(self) -> None:
+        engine, auto = self.engine, self.auto
+        engine.after_entry_call = None
+        new, auto.pending_bytes = auto.pending_bytes, None
+        measured = engine.measured_for(new)
+        self._auto_replan(new, measured)
+
+    def _auto_replan(self, new: int, measured: Any) -> None:
+        """Attaches the component again at the budget ``auto`` chose (planned with ``measured``
+        compute when given); a failed attach attaches the first budget again."""
+        auto = self.auto
+        failed = self._attach_again(new, fallback_budget=self.vram_budget, measured=measured)  # the call is done
         if failed is not None:  # the first budget worked: it is attached again
             auto.reason += f"; attaching at {new} bytes failed ({failed}), the first budget was attached again"
             log.warning("ddo_blocks: %s: %s", self.component, auto.reason)
             return
         self.vram_budget = new
         auto.replanned_bytes = new
+        auto.measured_compute = measured is not None
+        auto.reason = (f"re-planned after the second call with each unit's compute it measured: {auto.reason}"
+                       if measured is not None else f"re-planned after the first call: {auto.reason}")
         log.info("ddo_blocks: %s: vram_budget='auto' %s", self.component, auto.reason)
 
     def _arena_replan(self) -> None:

@@ -5,9 +5,13 @@
    activations, not known yet, have room.
 2. The first call measures its activation peak ``A``: PyTorch's peak allocated during the call less
    what was allocated when it began (weights and slots included in the latter).
-3. After it, once: the budget grows to ``F - A - margin`` (margin: 256 MiB plus 5 % of ``F``) when that
-   is at least 10 % more than the first budget, and the component is re-planned (detached and attached
-   again with the new budget; the call that measured is already done). If attaching at the new budget
+3. The budget grows to ``F - A - margin`` (margin: 256 MiB plus 5 % of ``F``) when that is at least
+   10 % more than the first budget, and the component is re-planned once (detached and attached again
+   with the new budget). When units stream at the first budget, the re-plan waits for the second call,
+   which measures each unit's compute (the calibration call), and places the resident units by that
+   compute instead of the planner's prior (compute proportional to bytes): on Flux-sized blocks at
+   child granularity the prior streams the modulation weights, which have almost no compute to hide
+   their copy behind. Otherwise the re-plan follows the first call. If attaching at the new budget
    fails, the first budget is attached again.
 
 The report's ``auto_budget`` section says what was measured and chosen. Without a CUDA device (the
@@ -79,6 +83,10 @@ class AutoBudget:
     replanned_bytes: int | None = None
     reason: str = "first call not run yet"
     done: bool = False
+    pending_bytes: int | None = None
+    """The grown budget, between the first call and the calibration call that re-plans with it."""
+    measured_compute: bool = False
+    """Whether the re-plan placed the units by the compute the calibration call measured."""
     peak: CallPeak | None = field(default=None, repr=False)
 
     @classmethod
@@ -112,8 +120,8 @@ class AutoBudget:
                            f"{fmt_bytes(act)} and the margin leave {fmt_bytes(max(new, 0))}: not 10 % above the "
                            "first budget, which stays")
             return None
-        self.reason = (f"re-planned after the first call: free {fmt_bytes(self.free_bytes)} less its activations "
-                       f"{fmt_bytes(act)} and a margin of {fmt_bytes(self.free_bytes - act - new)}")
+        self.reason = (f"free {fmt_bytes(self.free_bytes)} less the first call's activations {fmt_bytes(act)} "
+                       f"and a margin of {fmt_bytes(self.free_bytes - act - new)}")
         return new
 
     def section(self) -> dict[str, Any]:
@@ -123,5 +131,7 @@ class AutoBudget:
             "first_budget_bytes": self.first_bytes,
             "activation_bytes": self.activation_bytes,
             "replanned_budget_bytes": self.replanned_bytes,
+            "pending_budget_bytes": self.pending_bytes,
+            "measured_compute": self.measured_compute,
             "reason": self.reason,
         }

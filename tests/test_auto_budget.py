@@ -45,17 +45,42 @@ def test_auto_starts_at_half_the_free_memory_and_grows_after_the_first_call(devi
     first = handle.vram_budget
     assert first == int(0.4 * w) and handle.report()["plan"]["streamed_units"] > 0
     first_engine = handle.engine
-    assert torch.equal(_run(model, x), ref)  # the first call measures, then the re-plan
+    assert torch.equal(_run(model, x), ref)  # the first call measures the activations
     grown = int(0.8 * w - 0.05 * w - autobudget.MARGIN_FRACTION * 0.8 * w)
+    assert handle.engine is first_engine and handle.vram_budget == first
+    assert handle.report()["auto_budget"]["pending_budget_bytes"] == grown
+    assert torch.equal(_run(model, x), ref)  # the second each unit's compute, then the re-plan
     assert handle.vram_budget == grown and handle.engine is not first_engine
     for _ in range(2):
         assert torch.equal(_run(model, x), ref)
     report = handle.report()
     assert report["plan"]["vram_budget"] == grown and report["plan"]["gpu_bytes"] <= grown
+    assert report["plan"]["planned_with"] == "compute measured on an earlier plan"
     a = report["auto_budget"]
-    assert a["first_budget_bytes"] == first and a["replanned_budget_bytes"] == grown
-    assert a["activation_bytes"] == int(0.05 * w) and "re-planned after the first call" in a["reason"]
+    assert a["first_budget_bytes"] == first and a["replanned_budget_bytes"] == grown and a["measured_compute"]
+    assert a["pending_budget_bytes"] is None
+    assert a["activation_bytes"] == int(0.05 * w) and "re-planned after the second call" in a["reason"]
     assert report["runtime"]["calls"] == 2  # the new engine's own calls
+    handle.remove()
+    assert_restored(model, snap)
+
+
+def test_auto_replans_after_the_first_call_when_nothing_streams_at_first(device_memory):
+    """Nothing streams at the first budget: no calibration call to wait for."""
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    snap = snapshot(model)
+    w = _weights(model)
+    device_memory.update(free=3 * w, activations=0)
+    handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu")
+    assert handle.report()["plan"]["streamed_units"] == 0
+    first_engine = handle.engine
+    assert torch.equal(_run(model, x), ref)
+    assert handle.engine is not first_engine and handle.vram_budget == int(3 * w - autobudget.MARGIN_FRACTION * 3 * w)
+    a = handle.report()["auto_budget"]
+    assert "re-planned after the first call" in a["reason"] and not a["measured_compute"]
+    assert torch.equal(_run(model, x), ref)
     handle.remove()
     assert_restored(model, snap)
 
@@ -69,7 +94,8 @@ def test_the_replan_keeps_the_route_options(device_memory):
     device_memory.update(free=w, activations=0)  # the first budget is the minimum; the re-plan still streams
     handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu", codec="fixed", units="block")
     first = handle.engine
-    assert torch.equal(_run(model, x), ref)
+    for _ in range(2):  # the activations, then each unit's compute
+        assert torch.equal(_run(model, x), ref)
     assert handle.engine is not first and handle.engine.granularity == "block" and handle.engine.streamed
     assert handle.report()["codec"]["codec"] == "fixed" and handle.report()["codec"]["coded_bytes"] > 0
     assert torch.equal(_run(model, x), ref)
@@ -113,7 +139,8 @@ def test_a_failed_replan_attaches_the_first_budget_again(device_memory, monkeypa
         return real_attach(self)
 
     monkeypatch.setattr(engine_mod.StreamingEngine, "attach", attach_once_failing)
-    assert torch.equal(_run(model, x), ref)
+    for _ in range(2):  # the activations, then each unit's compute and the re-plan
+        assert torch.equal(_run(model, x), ref)
     assert attaches == [int(0.95 * 0.8 * w), first] and handle.vram_budget == first
     assert "failed" in handle.report()["auto_budget"]["reason"]
     assert torch.equal(_run(model, x), ref)

@@ -404,10 +404,21 @@ class StreamingEngine:
         self._measured_plan = (cal, self._plan_measured(cal))
         return self._measured_plan[1]
 
-    def _plan_measured(self, cal: Any) -> dict[str, Any] | None:
-        measured = cal.resolve(len(self.units))
-        current = self.calibrated_prediction()
-        budget = None if self.budget is None else self.budget - self.reserve_bytes
+    def measured_for(self, budget: int | None) -> plan.Measured | None:
+        """What the calibration call measured, as the planner's input for a plan of this module at
+        another ``budget`` (``vram_budget="auto"``: the budget grown after the first call); with a
+        codec, the variant predicted fastest at that budget. ``None`` when ``measured_plan`` would be
+        (no calibration yet, nothing streamed, a store with a disk)."""
+        cal = self.scheduler.calibration
+        if cal is None or cal.end is None or not self.streamed or self.store.sim_args():
+            return None
+        best = self._best_variant(cal.resolve(len(self.units)), budget)
+        return best[2] if best is not None else None
+
+    def _best_variant(self, measured: dict[str, Any], budget: int | None) -> tuple[float, Any, plan.Measured] | None:
+        """The measured variant (codec variants: which units to code) the planner predicts fastest at
+        ``budget``: (predicted step, native plan, variant), or ``None`` when none fits."""
+        budget = None if budget is None else budget - self.reserve_bytes
         variants = [plan.Measured(self.granularity, measured["unit_compute_s"], self.unit_plan.link_bytes)]
         if hasattr(self.store, "codec_variants"):
             variants = self.store.codec_variants(measured["unit_compute_s"]) or variants
@@ -424,6 +435,12 @@ class StreamingEngine:
                 continue
             if best is None or native.predicted_step_s < best[0] - 1e-12:
                 best = (native.predicted_step_s, native, v)
+        return best
+
+    def _plan_measured(self, cal: Any) -> dict[str, Any] | None:
+        measured = cal.resolve(len(self.units))
+        current = self.calibrated_prediction()
+        best = self._best_variant(measured, self.budget)
         if best is None:
             return None
         _, native, chosen = best
