@@ -358,7 +358,8 @@ def _auto_budget(module: nn.Module, spec: routes.RouteSpec, options: dict[str, A
         raise ConfigError(f"vram_budget='auto' picks the budget of a route that streams; route {spec.name!r} does "
                           "not stream: pass bytes, a size such as '6GiB', or None")
     minimum = minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
-    return AutoBudget.at_attach(dev, minimum, type(module).__name__)
+    # graph=True: the graphs' private pool keeps a call's activations beside the eager allocator's
+    return AutoBudget.at_attach(dev, minimum, type(module).__name__, pools=2 if options.get("graph") is True else 1)
 
 
 def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any]) -> int | None:

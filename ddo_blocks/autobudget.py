@@ -5,7 +5,8 @@
    activations, not known yet, have room.
 2. The first call measures its activation peak ``A``: PyTorch's peak allocated during the call less
    what was allocated when it began (weights and slots included in the latter).
-3. The budget grows to ``F - A - margin`` (margin: 256 MiB plus 5 % of ``F``) when that is at least
+3. The budget grows to ``F - A - margin`` (margin: 256 MiB plus 5 % of ``F``; ``F - 2A - margin`` with
+   ``graph=True``, whose graphs keep a call's activations in a pool of their own) when that is at least
    10 % more than the first budget, and the component is re-planned once (detached and attached again
    with the new budget). When units stream at the first budget, the re-plan waits for the second call,
    which measures each unit's compute (the calibration call), and places the resident units by that
@@ -87,11 +88,15 @@ class AutoBudget:
     """The grown budget, between the first call and the calibration call that re-plans with it."""
     measured_compute: bool = False
     """Whether the re-plan placed the units by the compute the calibration call measured."""
+    pools: int = 1
+    """How many times the activations are kept free: 2 with ``graph=True``."""
     peak: CallPeak | None = field(default=None, repr=False)
 
     @classmethod
-    def at_attach(cls, device: torch.device, minimum: int, what: str) -> AutoBudget:
-        """The first budget for a component whose smallest plan needs ``minimum`` bytes."""
+    def at_attach(cls, device: torch.device, minimum: int, what: str, pools: int = 1) -> AutoBudget:
+        """The first budget for a component whose smallest plan needs ``minimum`` bytes; ``pools``:
+        how many times a call's activations are kept (2 with CUDA graphs: the graphs' private pool
+        holds them beside the eager calls')."""
         free = free_bytes(device)
         if minimum + MARGIN_BYTES > free:
             raise BudgetError(
@@ -100,11 +105,11 @@ class AutoBudget:
                 "(bytes, a size such as '6GiB', or 'min')"
             )
         first = min(max(minimum, int(free * START_FRACTION)), free - MARGIN_BYTES)
-        return cls(free, minimum, first, peak=CallPeak(device))
+        return cls(free, minimum, first, pools=pools, peak=CallPeak(device))
 
     def grown(self, activations: int) -> int:
         """The budget once the activations are known."""
-        return int(self.free_bytes - activations - MARGIN_BYTES - MARGIN_FRACTION * self.free_bytes)
+        return int(self.free_bytes - self.pools * activations - MARGIN_BYTES - MARGIN_FRACTION * self.free_bytes)
 
     def decide(self) -> int | None:
         """After the first call: the budget to re-plan with, or ``None`` (keep the first one)."""
@@ -120,8 +125,9 @@ class AutoBudget:
                            f"{fmt_bytes(act)} and the margin leave {fmt_bytes(max(new, 0))}: not 10 % above the "
                            "first budget, which stays")
             return None
-        self.reason = (f"free {fmt_bytes(self.free_bytes)} less the first call's activations {fmt_bytes(act)} "
-                       f"and a margin of {fmt_bytes(self.free_bytes - act - new)}")
+        twice = " twice (the graphs' pool and the eager calls')" if self.pools == 2 else ""
+        self.reason = (f"free {fmt_bytes(self.free_bytes)} less the first call's activations {fmt_bytes(act)}{twice} "
+                       f"and a margin of {fmt_bytes(self.free_bytes - self.pools * act - new)}")
         return new
 
     def section(self) -> dict[str, Any]:
@@ -133,5 +139,6 @@ class AutoBudget:
             "replanned_budget_bytes": self.replanned_bytes,
             "pending_budget_bytes": self.pending_bytes,
             "measured_compute": self.measured_compute,
+            "activation_pools": self.pools,
             "reason": self.reason,
         }

@@ -85,6 +85,22 @@ def test_auto_replans_after_the_first_call_when_nothing_streams_at_first(device_
     assert_restored(model, snap)
 
 
+def test_auto_with_graphs_keeps_the_activations_free_twice(device_memory):
+    """graph=True: the graphs' private pool keeps a call's activations beside the eager allocator's."""
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    w = _weights(model)
+    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
+    handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu", graph=True)
+    for _ in range(3):
+        assert torch.equal(_run(model, x), ref)
+    assert handle.vram_budget == int(0.8 * w - 2 * int(0.05 * w) - autobudget.MARGIN_FRACTION * 0.8 * w)
+    a = handle.report()["auto_budget"]
+    assert a["activation_pools"] == 2 and "twice (the graphs' pool" in a["reason"] and a["measured_compute"]
+    handle.remove()
+
+
 def test_the_replan_keeps_the_route_options(device_memory):
     model = tiny_flux_transformer(torch.bfloat16, num_attention_heads=4, attention_head_dim=32, joint_attention_dim=64,
                                   axes_dims_rope=(4, 14, 14))

@@ -366,9 +366,10 @@ class GraphRunner:
         """Copies the call's tensors into the static inputs the graph reads (every call: a tensor may
         have been written in place in ways its version counter does not see, ``.data`` writes)."""
         assert self._static is not None
-        for s, x in zip(self._static, leaves):
-            if s is not None and x is not s:
-                s.copy_(x)
+        pairs = [(s, x) for s, x in zip(self._static, leaves) if s is not None and x is not s]
+        if pairs:  # one dispatch for all of them (each copy_ its own: 15 us apiece on the H200's host)
+            dst, src = zip(*pairs)
+            torch._foreach_copy_(list(dst), list(src))
 
     def _replay(self, captured: Captured, leaves: list[Any], copy_inputs: bool, t_call: float | None = None) -> Any:
         """Replays ``captured``; ``t_call``: when the call began (the key and the checks before it
