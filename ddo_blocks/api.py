@@ -103,7 +103,8 @@ class OffloadHandle:
 
     # -- vram_budget="auto" ---------------------------------------------------------------------------
     def _auto_budget(self, auto: AutoBudget, spec: routes.RouteSpec, options: dict[str, Any]) -> None:
-        """Measures the first call's activations and re-plans once after it (``autobudget``)."""
+        """Measures the first call's activations and re-plans once, after the second call when units
+        stream (it measures each unit's compute), else after the first (``autobudget``)."""
         self.auto = auto
         if spec.needs_files:
             auto.done = True  # re-planning would read every disk unit back into RAM
@@ -121,39 +122,56 @@ class OffloadHandle:
     def _after_first_call(self) -> None:
         engine, auto = self.engine, self.auto
         engine.on_call_start = engine.after_entry_call = None
+        runner = getattr(getattr(engine, "scheduler", None), "graph", None)
+        if runner is not None and runner.off_reason is None:
+            auto.pools = 2  # the graphs' pool keeps a call's activations beside the eager calls'
+        if not getattr(engine, "streamed", None):
+            auto.done = True
+            auto.reason = "everything fits at the first budget: nothing streams, nothing to re-plan"
+            return
         new = auto.decide()
         if new is None:
             return
-        if getattr(engine, "streamed", None) and hasattr(engine, "measured_for"):
+        if hasattr(engine, "measured_for"):
             # The next call measures each unit's compute (the calibration call): the re-plan waits
             # for it, so that the one re-plan places the resident units by measured compute, not by
             # the prior's bytes (a block's modulation weights stream without compute to hide them).
             auto.pending_bytes = new
+            auto.reason += ": the re-plan waits for the second call, which measures each unit's compute"
             engine.after_entry_call = self._after_calibration_call
             return
-        self._auto_replan(new, None)
+        self._auto_replan(new, None, "after the first call")
 
     def _after_calibration_call(self) -> None:
         engine, auto = self.engine, self.auto
+        if not engine.scheduler.last_call_clean and not auto.calibration_unclean:
+            # an error or an interrupt: no re-pack while it unwinds; the next clean call re-plans, with
+            # the prior (the calibration is the second call's only)
+            auto.calibration_unclean = True
+            return
         engine.after_entry_call = None
         new, auto.pending_bytes = auto.pending_bytes, None
-        measured = engine.measured_for(new)
-        self._auto_replan(new, measured)
+        measured = None if auto.calibration_unclean else engine.measured_for(new)
+        when = ("after the second call with each unit's compute it measured" if measured is not None else
+                "after a clean call, with the planner's prior: the second call "
+                + ("did not finish cleanly" if auto.calibration_unclean else
+                   "did not run every unit, or no plan with its measurement fits"))
+        self._auto_replan(new, measured, when)
 
-    def _auto_replan(self, new: int, measured: Any) -> None:
+    def _auto_replan(self, new: int, measured: Any, when: str) -> None:
         """Attaches the component again at the budget ``auto`` chose (planned with ``measured``
         compute when given); a failed attach attaches the first budget again."""
         auto = self.auto
+        grown = auto.reason.split(": the re-plan waits", 1)[0]
         failed = self._attach_again(new, fallback_budget=self.vram_budget, measured=measured)  # the call is done
         if failed is not None:  # the first budget worked: it is attached again
-            auto.reason += f"; attaching at {new} bytes failed ({failed}), the first budget was attached again"
+            auto.reason = f"{grown}; attaching at {new} bytes failed ({failed}), the first budget was attached again"
             log.warning("ddo_blocks: %s: %s", self.component, auto.reason)
             return
         self.vram_budget = new
         auto.replanned_bytes = new
         auto.measured_compute = measured is not None
-        auto.reason = (f"re-planned after the second call with each unit's compute it measured: {auto.reason}"
-                       if measured is not None else f"re-planned after the first call: {auto.reason}")
+        auto.reason = f"re-planned {when}: {grown}"
         log.info("ddo_blocks: %s: vram_budget='auto' %s", self.component, auto.reason)
 
     def _arena_replan(self) -> None:
@@ -244,6 +262,9 @@ class OffloadHandle:
 
     def _forget(self) -> None:
         self._removed = True
+        if self.auto is not None and self.auto.pending_bytes is not None:
+            self.auto.pending_bytes = None
+            self.auto.reason = self.auto.reason.split(": the re-plan waits", 1)[0] + ": removed before the re-plan"
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
@@ -293,8 +314,9 @@ def offload(
         preset: the route's policy; ``"auto"`` chooses.
         vram_budget: bytes or a string such as ``"6GiB"`` for the component's weights on the device
             (activations come on top); ``"min"``: the smallest plan (streaming routes); ``"auto"``: half
-            the device's free memory, then, after the first call, what its activations leave
-            (``ddo_blocks.autobudget``; the report's ``auto_budget`` section). ``None``: no limit
+            the device's free memory, then what the first call's activations leave, planned with the
+            compute each unit measured on the second call (``ddo_blocks.autobudget``; the report's
+            ``auto_budget`` section). ``None``: no limit
             (everything resident).
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (the same engine, slots in host memory).
         component: a name for reports, e.g. ``"transformer"``.
@@ -358,8 +380,7 @@ def _auto_budget(module: nn.Module, spec: routes.RouteSpec, options: dict[str, A
         raise ConfigError(f"vram_budget='auto' picks the budget of a route that streams; route {spec.name!r} does "
                           "not stream: pass bytes, a size such as '6GiB', or None")
     minimum = minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
-    # graph=True: the graphs' private pool keeps a call's activations beside the eager allocator's
-    return AutoBudget.at_attach(dev, minimum, type(module).__name__, pools=2 if options.get("graph") is True else 1)
+    return AutoBudget.at_attach(dev, minimum, type(module).__name__)
 
 
 def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any]) -> int | None:

@@ -5,15 +5,17 @@
    activations, not known yet, have room.
 2. The first call measures its activation peak ``A``: PyTorch's peak allocated during the call less
    what was allocated when it began (weights and slots included in the latter).
-3. The budget grows to ``F - A - margin`` (margin: 256 MiB plus 5 % of ``F``; ``F - 2A - margin`` with
-   ``graph=True``, whose graphs keep a call's activations in a pool of their own) when that is at least
-   10 % more than the first budget, and the component is re-planned once (detached and attached again
-   with the new budget). When units stream at the first budget, the re-plan waits for the second call,
-   which measures each unit's compute (the calibration call), and places the resident units by that
-   compute instead of the planner's prior (compute proportional to bytes): on Flux-sized blocks at
-   child granularity the prior streams the modulation weights, which have almost no compute to hide
-   their copy behind. Otherwise the re-plan follows the first call. If attaching at the new budget
-   fails, the first budget is attached again.
+3. The budget grows to ``F - A - margin`` (margin: 256 MiB plus 5 % of ``F``; ``F - 2A - margin`` when
+   CUDA graphs may capture, ``graph=True``: their private pool keeps a call's activations beside the
+   eager calls') when that is at least 10 % more than the first budget. Nothing streams at the first
+   budget: nothing to re-plan. Otherwise the component is re-planned once (detached and attached
+   again with the new budget) after the second call, which measures each unit's compute (the
+   calibration call): the resident units are placed by that compute instead of the planner's prior
+   (compute proportional to bytes; on Flux-sized blocks at child granularity the prior streams the
+   modulation weights, which have almost no compute to hide their copy behind), and with
+   ``units="auto"`` blocks and their children are both planned with it. A second call that ends in
+   an error, or does not run every unit (another entry point), re-plans after the next clean call
+   with the prior. If attaching at the new budget fails, the first budget is attached again.
 
 The report's ``auto_budget`` section says what was measured and chosen. Without a CUDA device (the
 CPU engine) there is no activation peak to measure: the first budget stays.
@@ -89,14 +91,15 @@ class AutoBudget:
     measured_compute: bool = False
     """Whether the re-plan placed the units by the compute the calibration call measured."""
     pools: int = 1
-    """How many times the activations are kept free: 2 with ``graph=True``."""
+    """How many times the activations are kept free: 2 when CUDA graphs may capture (``graph=True``
+    on an engine that can: their private pool holds a call's activations beside the eager calls')."""
+    calibration_unclean: bool = False
+    """The second call ended in an error: the re-plan waits for a clean call and uses the prior."""
     peak: CallPeak | None = field(default=None, repr=False)
 
     @classmethod
-    def at_attach(cls, device: torch.device, minimum: int, what: str, pools: int = 1) -> AutoBudget:
-        """The first budget for a component whose smallest plan needs ``minimum`` bytes; ``pools``:
-        how many times a call's activations are kept (2 with CUDA graphs: the graphs' private pool
-        holds them beside the eager calls')."""
+    def at_attach(cls, device: torch.device, minimum: int, what: str) -> AutoBudget:
+        """The first budget for a component whose smallest plan needs ``minimum`` bytes."""
         free = free_bytes(device)
         if minimum + MARGIN_BYTES > free:
             raise BudgetError(
@@ -105,7 +108,7 @@ class AutoBudget:
                 "(bytes, a size such as '6GiB', or 'min')"
             )
         first = min(max(minimum, int(free * START_FRACTION)), free - MARGIN_BYTES)
-        return cls(free, minimum, first, pools=pools, peak=CallPeak(device))
+        return cls(free, minimum, first, peak=CallPeak(device))
 
     def grown(self, activations: int) -> int:
         """The budget once the activations are known."""
@@ -120,12 +123,12 @@ class AutoBudget:
             self.reason = "no activation peak to measure on this device: the first budget stays"
             return None
         new = self.grown(act)
+        twice = " twice (the graphs' pool and the eager calls')" if self.pools == 2 else ""
         if new < self.first_bytes * (1 + REPLAN_GAIN):
             self.reason = (f"free {fmt_bytes(self.free_bytes)} less the first call's activations "
-                           f"{fmt_bytes(act)} and the margin leave {fmt_bytes(max(new, 0))}: not 10 % above the "
-                           "first budget, which stays")
+                           f"{fmt_bytes(act)}{twice} and the margin leave {fmt_bytes(max(new, 0))}: not 10 % above "
+                           "the first budget, which stays")
             return None
-        twice = " twice (the graphs' pool and the eager calls')" if self.pools == 2 else ""
         self.reason = (f"free {fmt_bytes(self.free_bytes)} less the first call's activations {fmt_bytes(act)}{twice} "
                        f"and a margin of {fmt_bytes(self.free_bytes - self.pools * act - new)}")
         return new

@@ -70,6 +70,11 @@ class Calibration:
     def unit_end(self, index: int) -> None:
         self.finish.setdefault(index, _Stamp(self.device))
 
+    def covers(self, indices: list[int]) -> bool:
+        """Whether every unit of ``indices`` began and finished in the call (a call through another
+        entry point, ``vae.encode`` after ``vae.decode``, or an interrupted one, leaves some at 0 s)."""
+        return all(i in self.begin and i in self.finish for i in indices)
+
     def close(self) -> None:
         self.end = _Stamp(self.device)
         for h in self._hooks:

@@ -28,7 +28,7 @@ from .. import _native
 from ..errors import CheckpointError, DdoError, OffloadMemoryError, OffloadStateError
 from ..report import roofline_bound
 from ..routes.spec import HostMode, Preset, UnitInfo
-from ..units import geometry, span_nbytes
+from ..units import find_unit_modules, geometry, span_nbytes
 from . import bandwidth, plan
 from .scheduler import CallRecord, Scheduler, compute_stream
 from .slots import TorchSlots
@@ -81,6 +81,7 @@ class StreamingEngine:
         self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
         self.reserve_bytes = reserve_bytes
         self.measured = measured
+        self.units_option = units
         self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes,
                                      link_bytes, compute_bytes, measured,
                                      **({"reserve_for": reserve_for} if reserve_for else {}))
@@ -125,7 +126,8 @@ class StreamingEngine:
         self._prewaited: set[int] | None = None
         self.on_call_start: Callable[[], None] | None = None
         self.after_entry_call: Callable[[], None] | None = None
-        """Set by the handle of a ``vram_budget="auto"`` offload: its first call's measurement."""
+        """Set by the handle of a ``vram_budget="auto"`` offload: after its first call the activations'
+        measurement, after the second the re-plan (and by an ``Arena("auto")`` member's)."""
 
     # ---------------------------------------------------------------------------------------------
     # attach / detach
@@ -407,13 +409,58 @@ class StreamingEngine:
     def measured_for(self, budget: int | None) -> plan.Measured | None:
         """What the calibration call measured, as the planner's input for a plan of this module at
         another ``budget`` (``vram_budget="auto"``: the budget grown after the first call); with a
-        codec, the variant predicted fastest at that budget. ``None`` when ``measured_plan`` would be
-        (no calibration yet, nothing streamed, a store with a disk)."""
+        codec, the variant predicted fastest at that budget. With ``units="auto"`` and child units,
+        the blocks' compute (the sum of their children's) is planned too, and blocks are chosen unless
+        children predict a step 3 % faster, as ``plan.choose`` does with its prior. ``None`` when
+        ``measured_plan`` would be (no calibration yet, nothing streamed, a store with a disk), and
+        when the calibration call did not run every unit to its end (another entry point, an error)."""
         cal = self.scheduler.calibration
         if cal is None or cal.end is None or not self.streamed or self.store.sim_args():
             return None
-        best = self._best_variant(cal.resolve(len(self.units)), budget)
-        return best[2] if best is not None else None
+        if not cal.covers([u.index for u in self.units]):
+            return None
+        measured = cal.resolve(len(self.units))
+        best = self._best_variant(measured, budget)
+        if best is None:
+            return None
+        block = self._block_variant(measured["unit_compute_s"], budget)
+        if block is not None and not best[0] < plan.CHILD_GAIN * block[0]:
+            return block[1]
+        return best[2]
+
+    def _block_variant(self, unit_compute_s: list[float], budget: int | None) -> tuple[float, plan.Measured] | None:
+        """Child units measured, ``units="auto"``, no codec: each block's compute as the sum of its
+        children's, planned at ``budget``: ``(predicted step, Measured)``, or ``None`` (not child units,
+        a codec's variants, a block without a measured child, or no plan fits)."""
+        if self.granularity != "child" or self.units_option != "auto" or hasattr(self.store, "codec_variants"):
+            return None
+        blocks = [name for name, _ in find_unit_modules(self.module, "block")]
+        index = {name: i for i, name in enumerate(blocks)}
+        compute = [0.0] * len(blocks)
+        sizes = [0] * len(blocks)
+        seen = [False] * len(blocks)
+        for u in self.units:
+            name = u.name
+            while name not in index and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name not in index:
+                return None
+            b = index[name]
+            compute[b] += unit_compute_s[u.index]
+            sizes[b] += self.unit_bytes[u.index]
+            seen[b] = True
+        if not all(seen) or len(blocks) == len(self.units):
+            return None
+        try:
+            native = _native.plan(
+                sizes, base_bytes=self.unit_plan.base_bytes,
+                budget_bytes=None if budget is None else budget - self.reserve_bytes,
+                link_bytes_per_s=self.link_bytes_per_s,
+                compute_bytes_per_s=bandwidth.compute_bytes_per_s(self.device, self.link_bytes_per_s),
+                min_slots=self.preset.min_slots, max_slots=self.preset.max_slots, unit_compute_s=compute)
+        except DdoError:
+            return None
+        return native.predicted_step_s, plan.Measured("block", compute)
 
     def _best_variant(self, measured: dict[str, Any], budget: int | None) -> tuple[float, Any, plan.Measured] | None:
         """The measured variant (codec variants: which units to code) the planner predicts fastest at

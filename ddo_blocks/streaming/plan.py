@@ -59,6 +59,10 @@ def unit_sizes(units: list[Unit]) -> list[int]:
     return [_native.layout_unit([span_nbytes(p) for _, p in u.params]).nbytes for u in units]
 
 
+CHILD_GAIN = 0.97
+"""``units="auto"`` takes each block's children as units only when they predict a step at most this
+fraction of the blocks' (more, smaller copies per step)."""
+
 LinkBytes = Callable[[list[Unit]], list[int]]
 """Per unit, the bytes it sends over the link when streamed (a codec's estimate)."""
 
@@ -149,7 +153,7 @@ def choose(module: nn.Module, budget: int | None, device: torch.device, link: fl
     if block.native.slots == 0:
         return block  # everything fits: nothing streams
     child = _plan(module, "child", budget, device, link, preset, link_bytes, compute_bytes)
-    if len(child.units) > len(block.units) and child.native.predicted_step_s < 0.97 * block.native.predicted_step_s:
+    if len(child.units) > len(block.units) and child.native.predicted_step_s < CHILD_GAIN * block.native.predicted_step_s:
         return child
     return block
 
