@@ -162,9 +162,10 @@ def test_warm_process_reuse_on_cuda():
 def test_auto_budget_on_a_card_the_model_does_not_fit(monkeypatch, graph):
     from ddo_blocks import autobudget
 
-    # the default 256 MiB margin dwarfs this 40 MiB model; a first budget of a quarter keeps it streaming
+    # the default 256 MiB margin dwarfs this 40 MiB model; a first budget of a tenth of the free memory
+    # (which counts the 128 MiB kept for the driver) keeps it streaming, so that it is re-planned
     monkeypatch.setattr(autobudget, "MARGIN_BYTES", 64 << 20)
-    monkeypatch.setattr(autobudget, "START_FRACTION", 0.25)
+    monkeypatch.setattr(autobudget, "START_FRACTION", 0.1)
     model = medium_flux()
     x = flux_inputs(model, height=16, width=16, text_len=32, device="cuda")
     ref, activations = _resident_reference(model, x)
@@ -180,6 +181,7 @@ def test_auto_budget_on_a_card_the_model_does_not_fit(monkeypatch, graph):
     try:
         handle = ddo_blocks.offload(model, vram_budget="auto", device="cuda", graph=graph)
         first = handle.vram_budget
+        assert handle.report()["plan"]["streamed_units"] > 0, handle.report()["plan"]
         with torch.no_grad():
             outs = [model(**x)[0] for _ in range(9 if graph else 4)]
         assert all(torch.equal(o, ref) for o in outs)
