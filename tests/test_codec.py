@@ -173,7 +173,7 @@ def test_landing_buffers_are_sized_for_the_largest_chunk():
     largest = max(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16)
     lb = coded.landing_bytes(model)
     assert lb % 256 == 0 and 1.5 * largest < lb < 1.7 * largest
-    assert coded.reserve_bytes(model, "fixed", torch.device("cuda")) == coded.LANDING_BUFFERS * lb
+    assert coded.reserve_bytes(model, "fixed", torch.device("cuda")) == coded.landing_count(model, "fixed") * lb
     assert coded.reserve_bytes(model, "fixed", torch.device("cpu")) == 0
     assert coded.reserve_bytes(model, "off", torch.device("cuda")) == 0
     assert coded.landing_bytes(tiny_flux_transformer()) == 0  # nothing in bf16

@@ -11,7 +11,9 @@ two-tier code), sent over the link as such and decoded into the slot.
   coded ones are written, so host RAM stays at about the coded size plus one unit.
 - A fetch is one copy job: raw pieces straight into the slot, coded chunks through a ring of
   :data:`LANDING_BUFFERS` landing buffers in device memory (allocated through PyTorch, inside the
-  VRAM budget) and decoded by a kernel on a decode stream (``ddo_cuda::codec``, ``ddo_cuda::tiered``);
+  VRAM budget) and decoded by a kernel on a decode stream (``ddo_cuda::codec``, ``ddo_cuda::tiered``).
+  The chunks' copies are queued before the wait for the slot's last consumer (only the decodes
+  wait for it), so the link moves the next unit while the slot's unit still computes;
   on the CPU engine the reference decoder writes the slot. Outputs are the original bits: at the
   first attach on a device, the kernel's decode of the largest chunk is compared bit for bit with
   the reference decoder's, and a difference refuses the offload (:func:`_check_decoder`).
@@ -34,7 +36,7 @@ from torch import nn
 from .. import _native
 from ..errors import ConfigError, DdoError
 from ..routes.spec import HostMode, Preset
-from ..units import flat_span, span_elements, span_nbytes
+from ..units import flat_span, span_elements, span_nbytes, split_units
 from .slabs import _alloc, _progress
 from .stores import InMemoryStore, _placeholder
 
@@ -53,8 +55,14 @@ allowance); a chunk that needs more is sent raw."""
 MIN_CODED_VALUES = 4096
 """bf16 tensors smaller than this are sent as they are (their bytes are negligible)."""
 
-LANDING_BUFFERS = 3
-"""Coded chunks in flight on the device: one being copied while the others are decoded."""
+LANDING_BUFFERS = (3, 8)
+"""The fewest and most coded chunks in flight on the device (:func:`landing_count`): copied ahead
+of their decode, as a chunk's copy waits for no slot, only for a landing buffer to be decoded out of."""
+
+LANDING_AHEAD = 0.75
+"""The landing ring holds this fraction of the largest child unit (about its coded size), so the
+link can move one unit ahead of the slot it goes to: 8 x 13 MiB for a Flux-sized block's 144 MiB
+children."""
 
 ESCAPE_ALLOWANCE = 32
 """A landing buffer holds a full chunk with one value in this many escaped; a chunk with more
@@ -109,6 +117,20 @@ def landing_bytes(module: nn.Module, codec: str = "fixed") -> int:
     return -(-nbytes // 256) * 256
 
 
+def landing_count(module: nn.Module, codec: str = "fixed") -> int:
+    """Landing buffers of the decode ring: enough for :data:`LANDING_AHEAD` of the module's largest
+    child unit, within :data:`LANDING_BUFFERS` (read from the module before it is offloaded: the
+    reserve at planning time and the ring at attach must agree)."""
+    from .plan import unit_sizes
+
+    lb = landing_bytes(module, codec)
+    fewest, most = LANDING_BUFFERS
+    if lb == 0:
+        return fewest
+    largest = max(unit_sizes(split_units(module, "child")[0]), default=0)
+    return max(fewest, min(most, -(-int(LANDING_AHEAD * largest) // lb)))
+
+
 def link_bytes_estimate(codec: str):
     """Per unit, the bytes a coded fetch sends, before the weights are read: coded bf16 tensors at
     their chunk layout (fixed: without escapes, about 0.751x; tiered: :data:`TIERED_ESTIMATE`,
@@ -132,7 +154,7 @@ def reserve_bytes(module: nn.Module, codec: str, device: torch.device) -> int:
     """Device bytes the codec needs beside the slots (its landing buffers)."""
     if codec == "off" or device.type != "cuda":
         return 0
-    return LANDING_BUFFERS * landing_bytes(module, codec)
+    return landing_count(module, codec) * landing_bytes(module, codec)
 
 
 def _per_tensor(counts: list[Any], coded: list[bool]) -> list[Any]:
@@ -158,6 +180,7 @@ class CodedSlabs(InMemoryStore):
         self.codec = codec
         self.pin = engine.device.type == "cuda"
         self.landing_bytes = landing_bytes(engine.module, codec)
+        self.landing_buffers = landing_count(engine.module, codec)
         self.units: list[Any] = []  # _native.CodedUnit per streamed unit
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (storage, buffer) per unit
         self.registrations: dict[int, Any] = {}  # streamed unit -> its buffer's page-locking
@@ -258,13 +281,13 @@ class CodedSlabs(InMemoryStore):
             largest = max((c.largest_coded for c in self.units), default=0)
             if e.device.type == "cuda" and largest:
                 lb = -(-largest // 256) * 256
-                self.landing = torch.empty(LANDING_BUFFERS * lb, dtype=torch.uint8, device=e.device)
+                n = self.landing_buffers
+                self.landing = torch.empty(n * lb, dtype=torch.uint8, device=e.device)
                 # high priority: a decode waiting behind the model's kernels would hold its landing
                 # buffer and so the copy engine; its blocks go first as SMs free up
                 self.decode_stream = torch.cuda.Stream(e.device, priority=-1)
                 base = self.landing.data_ptr()
-                transport.set_decoder(self.decode_stream.cuda_stream, [base + k * lb for k in range(LANDING_BUFFERS)],
-                                      lb)
+                transport.set_decoder(self.decode_stream.cuda_stream, [base + k * lb for k in range(n)], lb)
                 self.decode_bytes_per_s = _check_decoder(e.device, self.codec, self.units, self.buffers)
             self._ids = [transport.add_coded_unit(c, buf.data_ptr()) for c, (_, buf) in zip(self.units, self.buffers)]
         except BaseException:
@@ -387,7 +410,7 @@ class CodedSlabs(InMemoryStore):
                 "coded_bytes": 2 * coded_values,
                 "escapes": sum(c.escapes for c in self.units),
                 "link_call_bytes": self.host_bytes,
-                "landing_buffers": LANDING_BUFFERS if self.landing is not None else 0,
+                "landing_buffers": self.landing_buffers if self.landing is not None else 0,
                 "landing_bytes": self.device_bytes,
                 "decode_gb_s": self.decode_bytes_per_s / 1e9 if self.decode_bytes_per_s else None,
                 "decode_s_per_call": decode_s,

@@ -13,8 +13,13 @@
 //! over a ring of landing buffers (device memory the caller allocates, through PyTorch), so the
 //! copy engine moves chunk `c + 1` while the SMs decode chunk `c`; then the decode stream waits for
 //! the copy stream's raw copies and the job records the slot's arrival there, so the copy engine
-//! never waits for a decode except to reuse a landing buffer. The decode stream sees the slot only
-//! after the copy stream's wait for its last consumer (through `landed[k]`).
+//! never waits for a decode except to reuse a landing buffer.
+//!
+//! The chunks' copies touch only the landing buffers, so they are queued *before* the copy stream
+//! waits for the slot's last consumer ([`Stage::early`]): the link moves the next unit's chunks
+//! while the slot's unit still computes, as far ahead as the landing ring holds. The decode stream
+//! waits for that consumer itself before the unit's first decode; the raw pieces, copied straight
+//! into the slot, follow the copy stream's wait as before.
 //!
 //! Encoding and decoding on the host run in parallel on the rayon pool, one chunk a task.
 
@@ -744,58 +749,53 @@ pub(crate) struct DecodeStage {
     pub unit: Arc<HostCodedUnit>,
     /// `None` on the CPU target.
     pub ring: Option<Arc<DecodeRing>>,
+    /// Whether [`Stage::early`] queued the chunks (then `run` only joins the raw copies).
+    pub queued: std::sync::atomic::AtomicBool,
 }
 
 impl DecodeStage {
-    fn has_coded(&self) -> bool {
-        self.unit.unit.largest_coded() > 0
-    }
-}
-
-impl Stage for DecodeStage {
-    fn arrival_stream(&self) -> Option<Stream> {
-        match &self.ring {
-            Some(ring) if self.has_coded() => Some(ring.decode_stream),
-            _ => None,
+    pub fn new(unit: Arc<HostCodedUnit>, ring: Option<Arc<DecodeRing>>) -> Self {
+        Self {
+            unit,
+            ring,
+            queued: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
-    fn run(&self, copy_stream: Option<Stream>, sink: &Sink) -> Result<()> {
-        let base = sink.addr();
+    fn has_coded(&self) -> bool {
+        self.unit.unit.largest_coded() > 0
+    }
+
+    /// Queues every coded chunk's copy into the landing ring (copy stream) and its decode into the
+    /// slot at `base` (decode stream); `wait_slot`, if given, orders the decode stream after the
+    /// slot's last consumer before the first decode. Returns whether there was a chunk.
+    fn queue_chunks(
+        &self,
+        stream: Stream,
+        ring: &DecodeRing,
+        base: usize,
+        wait_slot: Option<&dyn Fn(Stream) -> Result<()>>,
+    ) -> Result<bool> {
         let host = self.unit.host;
-        let coded = self.unit.unit.pieces.iter().filter_map(|p| match p.kind {
-            PieceKind::Coded {
-                values, escapes, ..
-            } => Some((p, values, escapes)),
-            PieceKind::Raw(_) => None,
-        });
-        let (Some(stream), Some(ring)) = (copy_stream, self.ring.as_ref()) else {
-            // the CPU target: decode from the host buffer straight into the slot
-            let chunks: Vec<_> = coded.collect();
-            if copy_stream.is_some() && !chunks.is_empty() {
-                return Err(CudaError::InvalidArgument(
-                    "a coded unit on the GPU needs the transport's decode ring".into(),
-                ));
-            }
-            return chunks.par_iter().try_for_each(|&(p, values, _)| {
-                // SAFETY: the fetch's contract: the buffer holds the unit and the slot its span.
-                let (inp, out) = unsafe {
-                    (
-                        std::slice::from_raw_parts((host + p.src) as *const u8, p.len),
-                        std::slice::from_raw_parts_mut((base + p.dst) as *mut u16, values),
-                    )
-                };
-                decode_piece(&p.kind, inp, out)
-            });
-        };
         let mut next = ring.next.lock().unwrap_or_else(|e| e.into_inner());
         let mut any = false;
-        for (p, values, escapes) in coded {
+        for p in &self.unit.unit.pieces {
+            let PieceKind::Coded {
+                values, escapes, ..
+            } = p.kind
+            else {
+                continue;
+            };
             if p.len > ring.landing_bytes {
                 return Err(CudaError::InvalidArgument(format!(
                     "a coded chunk of {} bytes does not fit the {}-byte landing buffers",
                     p.len, ring.landing_bytes
                 )));
+            }
+            if !any {
+                if let Some(wait) = wait_slot {
+                    wait(ring.decode_stream)?; // no decode writes the slot before its release
+                }
             }
             let k = *next;
             *next = (k + 1) % ring.landing.len();
@@ -807,7 +807,8 @@ impl Stage for DecodeStage {
             ring.landed[k].wait_on(ring.decode_stream)?;
             // SAFETY: the landing buffer holds the chunk once landed[k] completed; the output is
             // the chunk's range of the slot, 16-byte aligned (the unit layout aligns tensors to
-            // 256 bytes and chunks to 16 MiB), free since the copy stream's wait for its consumer.
+            // 256 bytes and chunks to 16 MiB), free since the decode stream's (early) or the copy
+            // stream's (through landed[k]) wait for the slot's last consumer.
             unsafe {
                 match p.kind.tiered_counts() {
                     None => launch_decode(
@@ -831,6 +832,70 @@ impl Stage for DecodeStage {
             ring.decoded[k].record(ring.decode_stream)?;
             any = true;
         }
+        Ok(any)
+    }
+}
+
+impl Stage for DecodeStage {
+    fn arrival_stream(&self) -> Option<Stream> {
+        match &self.ring {
+            Some(ring) if self.has_coded() => Some(ring.decode_stream),
+            _ => None,
+        }
+    }
+
+    fn early(
+        &self,
+        copy_stream: Option<Stream>,
+        sink: &Sink,
+        wait_slot: &dyn Fn(Stream) -> Result<()>,
+    ) -> Result<bool> {
+        let (Some(stream), Some(ring)) = (copy_stream, self.ring.as_ref()) else {
+            return Ok(false); // the CPU target decodes in `run`, after the raw copies
+        };
+        // mark first: should queuing fail part-way, `run` must not queue the chunks a second time
+        self.queued
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.queue_chunks(stream, ring, sink.addr(), Some(wait_slot))?;
+        Ok(true)
+    }
+
+    fn run(&self, copy_stream: Option<Stream>, sink: &Sink) -> Result<()> {
+        let base = sink.addr();
+        let host = self.unit.host;
+        let (Some(stream), Some(ring)) = (copy_stream, self.ring.as_ref()) else {
+            // the CPU target: decode from the host buffer straight into the slot
+            let chunks: Vec<_> = self
+                .unit
+                .unit
+                .pieces
+                .iter()
+                .filter_map(|p| match p.kind {
+                    PieceKind::Coded { values, .. } => Some((p, values)),
+                    PieceKind::Raw(_) => None,
+                })
+                .collect();
+            if copy_stream.is_some() && !chunks.is_empty() {
+                return Err(CudaError::InvalidArgument(
+                    "a coded unit on the GPU needs the transport's decode ring".into(),
+                ));
+            }
+            return chunks.par_iter().try_for_each(|&(p, values)| {
+                // SAFETY: the fetch's contract: the buffer holds the unit and the slot its span.
+                let (inp, out) = unsafe {
+                    (
+                        std::slice::from_raw_parts((host + p.src) as *const u8, p.len),
+                        std::slice::from_raw_parts_mut((base + p.dst) as *mut u16, values),
+                    )
+                };
+                decode_piece(&p.kind, inp, out)
+            });
+        };
+        let any = if self.queued.load(std::sync::atomic::Ordering::Relaxed) {
+            self.has_coded()
+        } else {
+            self.queue_chunks(stream, ring, base, None)?
+        };
         if any {
             // the raw copies, queued on the copy stream before this stage, come before arrival
             ring.done[0].record(stream)?;

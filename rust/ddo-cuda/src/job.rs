@@ -4,6 +4,10 @@
 //! wait consumed -> [pre-copy stage] -> copy(s) -> [post-copy stage] -> record arrived
 //! ```
 //!
+//! A post-copy stage whose copies land in buffers of its own (a decode stage's landing ring) may
+//! queue them before the wait for the slot ([`Stage::early`]) and order its own slot writes after
+//! the slot's release on its stream: the link then runs ahead of the slot's last consumer.
+//!
 //! The transport's direct path and the staging ring both queue their copies through [`enqueue`].
 //! A job whose bytes come in pieces (a unit read from files chunk by chunk, a pageable source
 //! moved through the ring buffer by buffer) is enqueued as several [`Part`]s: the first waits for
@@ -12,7 +16,7 @@
 //! The device-side steps (events, the copy stream) belong to a [`Lane`]: [`CudaLane`] on a GPU,
 //! [`CpuLane`] for host slots (copies are `memcpy`, ordering is program order). Stages are hooks
 //! for the routes to come: a VMM sink maps its pages before the copies (pre-copy), a compressed
-//! source decodes after them (post-copy). None is used yet.
+//! source decodes after them (post-copy: the codec's `DecodeStage`).
 //!
 //! This module imports neither the transport nor the stager: both import it.
 
@@ -149,6 +153,21 @@ pub(crate) trait Stage: Send + Sync + std::fmt::Debug {
     fn arrival_stream(&self) -> Option<Stream> {
         None
     }
+    /// For a post-copy stage whose copies land in buffers of its own (a decode stage's landing
+    /// buffers): queues that work before the copy stream waits for the slot, so that the link
+    /// moves it while the slot's last consumer still runs, and returns whether it did (then `run`
+    /// queues only what is left). The stage writes no byte of the slot before the work it makes
+    /// `wait_slot(stream)` order after the slot's release. [`enqueue`] calls it only for a job
+    /// queued whole with no pre-copy stage.
+    fn early(
+        &self,
+        copy_stream: Option<Stream>,
+        sink: &Sink,
+        wait_slot: &dyn Fn(Stream) -> Result<()>,
+    ) -> Result<bool> {
+        let _ = (copy_stream, sink, wait_slot);
+        Ok(false)
+    }
 }
 
 /// One fetch: a source, a sink and the optional stages around the copies.
@@ -211,6 +230,11 @@ pub(crate) trait Lane: Send + Sync {
     fn stream(&self) -> Option<Stream>;
     /// Orders the copies queued next after the slot's last release (GPU side).
     fn wait_consumed(&self, slot: usize) -> Result<()>;
+    /// Orders the work queued next on `stream` (a stage's) after the slot's last release.
+    fn wait_consumed_on(&self, slot: usize, stream: Stream) -> Result<()> {
+        let _ = stream;
+        self.wait_consumed(slot)
+    }
     /// Queues (CUDA) or runs (CPU) a copy of `n` bytes from host address `src` to `dst`.
     ///
     /// # Safety
@@ -254,6 +278,11 @@ pub(crate) unsafe fn enqueue(
     let job = part.job;
     let slot = job.sink.slot();
     if part.first {
+        if let (true, None, Some(stage)) = (part.last, &job.pre_copy, &job.post_copy) {
+            stage.early(lane.stream(), &job.sink, &|s| {
+                lane.wait_consumed_on(slot, s)
+            })?;
+        }
         lane.wait_consumed(slot)?;
         if let Some(stage) = &job.pre_copy {
             stage.run(lane.stream(), &job.sink)?;
@@ -391,6 +420,9 @@ impl Lane for CudaLane {
     fn wait_consumed(&self, slot: usize) -> Result<()> {
         self.slots.consumed[slot].wait_on(self.copy_stream)
     }
+    fn wait_consumed_on(&self, slot: usize, stream: Stream) -> Result<()> {
+        self.slots.consumed[slot].wait_on(stream)
+    }
     unsafe fn copy(&self, dst: usize, src: usize, n: usize) -> Result<()> {
         // SAFETY: the caller upholds the contract of `Lane::copy`, which is `h2d_async`'s.
         unsafe { h2d_async(dst, src, n, self.copy_stream) }
@@ -452,12 +484,20 @@ pub(crate) mod tests {
     pub(crate) enum Op {
         Wait(usize),
         Pre(usize),
-        Copy { dst: usize, src: usize, n: usize },
+        Copy {
+            dst: usize,
+            src: usize,
+            n: usize,
+        },
         Post(usize),
         Uploaded(usize),
         WaitUploaded(usize),
         Arrived(usize),
         ArrivedOn(usize, u64),
+        /// An early stage's work (its landing copies).
+        Early(usize),
+        /// A stage's stream ordered after the slot's release.
+        WaitOn(usize, u64),
     }
 
     /// A CPU lane that really copies and logs every step; copies fail on request.
@@ -482,6 +522,10 @@ pub(crate) mod tests {
         }
         fn wait_consumed(&self, slot: usize) -> Result<()> {
             self.push(Op::Wait(slot));
+            Ok(())
+        }
+        fn wait_consumed_on(&self, slot: usize, stream: Stream) -> Result<()> {
+            self.push(Op::WaitOn(slot, stream.handle()));
             Ok(())
         }
         unsafe fn copy(&self, dst: usize, src: usize, n: usize) -> Result<()> {
@@ -707,6 +751,105 @@ pub(crate) mod tests {
         // SAFETY: no copy.
         unsafe { enqueue(&rec, Part::whole(&job), []) }.unwrap();
         assert_eq!(rec.ops(), [Op::Wait(3), Op::ArrivedOn(3, 42)]);
+    }
+
+    /// A post-copy stage that queues its own copies early and orders its stream after the slot.
+    #[derive(Debug)]
+    struct Early {
+        log: Arc<Mutex<Vec<Op>>>,
+    }
+
+    impl Stage for Early {
+        fn run(&self, _copy_stream: Option<Stream>, sink: &Sink) -> Result<()> {
+            self.log.lock().unwrap().push(Op::Post(sink.slot()));
+            Ok(())
+        }
+        fn early(
+            &self,
+            _copy_stream: Option<Stream>,
+            sink: &Sink,
+            wait_slot: &dyn Fn(Stream) -> Result<()>,
+        ) -> Result<bool> {
+            // SAFETY: the handle only reaches the recording lane, never the driver.
+            wait_slot(unsafe { Stream::from_raw(7) })?;
+            self.log.lock().unwrap().push(Op::Early(sink.slot()));
+            Ok(true)
+        }
+    }
+
+    #[test]
+    fn an_early_stage_queues_before_the_slot_wait_and_orders_its_stream_after_the_slot() {
+        let rec = Recorder::default();
+        let src = [5u8; 8];
+        let mut dst = [0u8; 8];
+        let mut job = Job::new(
+            Source::Host { src: 0, n: 0 },
+            Sink::Slot {
+                slot: 2,
+                dst: dst.as_mut_ptr() as usize,
+            },
+        );
+        job.post_copy = Some(Arc::new(Early {
+            log: Arc::clone(&rec.log),
+        }));
+        let copy = Span {
+            offset: 0,
+            src: src.as_ptr() as usize,
+            len: 8,
+        };
+        // SAFETY: `src` and `dst` are 8 live, disjoint bytes.
+        unsafe { enqueue(&rec, Part::whole(&job), [copy]) }.unwrap();
+        let (d, s) = (dst.as_ptr() as usize, src.as_ptr() as usize);
+        assert_eq!(
+            rec.ops(),
+            [
+                Op::WaitOn(2, 7),
+                Op::Early(2),
+                Op::Wait(2),
+                Op::Copy {
+                    dst: d,
+                    src: s,
+                    n: 8
+                },
+                Op::Post(2),
+                Op::Arrived(2)
+            ]
+        );
+        // in parts (a staged job), or behind a pre-copy stage (a page map), it is not early
+        let rec = Recorder::default();
+        job.post_copy = Some(Arc::new(Early {
+            log: Arc::clone(&rec.log),
+        }));
+        let part = Part {
+            job: &job,
+            first: true,
+            last: false,
+            buffer: None,
+        };
+        // SAFETY: as above.
+        unsafe { enqueue(&rec, part, [copy]) }.unwrap();
+        assert_eq!(
+            rec.ops(),
+            [
+                Op::Wait(2),
+                Op::Copy {
+                    dst: d,
+                    src: s,
+                    n: 8
+                }
+            ]
+        );
+        let rec = Recorder::default();
+        let mut staged = staged_job(&rec, d, false);
+        staged.post_copy = Some(Arc::new(Early {
+            log: Arc::clone(&rec.log),
+        }));
+        // SAFETY: no copy.
+        unsafe { enqueue(&rec, Part::whole(&staged), []) }.unwrap();
+        assert_eq!(
+            rec.ops(),
+            [Op::Wait(1), Op::Pre(1), Op::Post(1), Op::Arrived(1)]
+        );
     }
 
     #[test]

@@ -386,10 +386,7 @@ impl Transport {
             },
             Sink::Slot { slot, dst },
         );
-        job.post_copy = Some(Arc::new(DecodeStage {
-            unit: cu,
-            ring: self.decoder.clone(),
-        }));
+        job.post_copy = Some(Arc::new(DecodeStage::new(cu, self.decoder.clone())));
         let _ctx = self.bind()?;
         // SAFETY: the caller upholds this function's contract: every raw piece reads the unit's
         // host buffer and writes inside the slot's span.
