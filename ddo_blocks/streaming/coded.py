@@ -10,7 +10,7 @@ two-tier code), sent over the link as such and decoded into the slot.
   the parameters pointed at placeholders (one NaN element): the original bytes are freed as the
   coded ones are written, so host RAM stays at about the coded size plus one unit.
 - A fetch is one copy job: raw pieces straight into the slot, coded chunks through a ring of
-  :data:`LANDING_BUFFERS` landing buffers in device memory (allocated through PyTorch, inside the
+  :func:`landing_count` landing buffers in device memory (allocated through PyTorch, inside the
   VRAM budget) and decoded by a kernel on a decode stream (``ddo_cuda::codec``, ``ddo_cuda::tiered``).
   The chunks' copies are queued before the wait for the slot's last consumer (only the decodes
   wait for it), so the link moves the next unit while the slot's unit still computes;
@@ -26,6 +26,7 @@ escapes, the landing buffers, and on a GPU the decode rate measured at attach.
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -60,9 +61,10 @@ LANDING_BUFFERS = (3, 8)
 of their decode, as a chunk's copy waits for no slot, only for a landing buffer to be decoded out of."""
 
 LANDING_AHEAD = 0.75
-"""The landing ring holds this fraction of the largest child unit (about its coded size), so the
-link can move one unit ahead of the slot it goes to: 8 x 13 MiB for a Flux-sized block's 144 MiB
-children."""
+"""The landing ring holds this fraction of the coded chunks of the largest child unit (each buffer
+one chunk of up to 8 Mi values), so that the link moves most of a unit ahead of the slot it goes to.
+Flux-sized blocks' children have 10-16 chunks: the ring is at its most, 8, half to four fifths of a
+unit."""
 
 ESCAPE_ALLOWANCE = 32
 """A landing buffer holds a full chunk with one value in this many escaped; a chunk with more
@@ -118,17 +120,21 @@ def landing_bytes(module: nn.Module, codec: str = "fixed") -> int:
 
 
 def landing_count(module: nn.Module, codec: str = "fixed") -> int:
-    """Landing buffers of the decode ring: enough for :data:`LANDING_AHEAD` of the module's largest
-    child unit, within :data:`LANDING_BUFFERS` (read from the module before it is offloaded: the
-    reserve at planning time and the ring at attach must agree)."""
-    from .plan import unit_sizes
-
-    lb = landing_bytes(module, codec)
+    """Landing buffers of the decode ring: for the child unit that needs the most, :data:`LANDING_AHEAD`
+    of its coded chunks (a buffer holds one), or of its bytes in buffers if fewer (small tensors, each
+    a chunk), within :data:`LANDING_BUFFERS`. Read from the module before it is offloaded: the reserve
+    at planning time and the ring at attach must agree."""
     fewest, most = LANDING_BUFFERS
+    lb = landing_bytes(module, codec)
     if lb == 0:
         return fewest
-    largest = max(unit_sizes(split_units(module, "child")[0]), default=0)
-    return max(fewest, min(most, -(-int(LANDING_AHEAD * largest) // lb)))
+    chunk = _native.CODEC_CHUNK_ELEMS
+    need = 0
+    for u in split_units(module, "child")[0]:
+        values = [v for v in (_bf16_values(p) for _, p in u.params) if v >= MIN_CODED_VALUES]
+        chunks = sum(-(-v // chunk) for v in values)
+        need = max(need, min(math.ceil(LANDING_AHEAD * chunks), math.ceil(LANDING_AHEAD * 2 * sum(values) / lb)))
+    return max(fewest, min(most, need))
 
 
 def link_bytes_estimate(codec: str):

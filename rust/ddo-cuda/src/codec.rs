@@ -853,7 +853,7 @@ impl Stage for DecodeStage {
         let (Some(stream), Some(ring)) = (copy_stream, self.ring.as_ref()) else {
             return Ok(false); // the CPU target decodes in `run`, after the raw copies
         };
-        // mark first: should queuing fail part-way, `run` must not queue the chunks a second time
+        // `run` then queues only the join with the raw copies
         self.queued
             .store(true, std::sync::atomic::Ordering::Relaxed);
         self.queue_chunks(stream, ring, sink.addr(), Some(wait_slot))?;

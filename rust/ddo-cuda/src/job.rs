@@ -20,6 +20,7 @@
 //!
 //! This module imports neither the transport nor the stager: both import it.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -144,7 +145,8 @@ impl Sink {
 }
 
 /// Work a job queues before its copies (after the slot was consumed) or after them (before
-/// arrival is recorded): a VMM page map, a decode kernel. It runs on the thread that enqueues the
+/// arrival is recorded): a VMM page map, a decode kernel; a post-copy stage may also queue work
+/// before the slot's wait ([`Stage::early`]). It runs on the thread that enqueues the
 /// job and queues its device work on `copy_stream` (`None` on the CPU target: work is done now).
 pub(crate) trait Stage: Send + Sync + std::fmt::Debug {
     fn run(&self, copy_stream: Option<Stream>, sink: &Sink) -> Result<()>;
@@ -155,8 +157,8 @@ pub(crate) trait Stage: Send + Sync + std::fmt::Debug {
     }
     /// For a post-copy stage whose copies land in buffers of its own (a decode stage's landing
     /// buffers): queues that work before the copy stream waits for the slot, so that the link
-    /// moves it while the slot's last consumer still runs, and returns whether it did (then `run`
-    /// queues only what is left). The stage writes no byte of the slot before the work it makes
+    /// moves it while the slot's last consumer still runs, and returns whether it did (the stage
+    /// itself remembers it: its `run` then queues only what is left). The stage writes no byte of the slot before the work it makes
     /// `wait_slot(stream)` order after the slot's release. [`enqueue`] calls it only for a job
     /// queued whole with no pre-copy stage.
     fn early(
@@ -235,6 +237,12 @@ pub(crate) trait Lane: Send + Sync {
         let _ = stream;
         self.wait_consumed(slot)
     }
+    /// Orders the copies queued next after the slot's previous arrival, when that was recorded on
+    /// another stream than the copies' (a decode stream's: see [`enqueue`]).
+    fn wait_prior_arrival(&self, slot: usize) -> Result<()> {
+        let _ = slot;
+        Ok(())
+    }
     /// Queues (CUDA) or runs (CPU) a copy of `n` bytes from host address `src` to `dst`.
     ///
     /// # Safety
@@ -253,6 +261,14 @@ pub(crate) trait Lane: Send + Sync {
         let _ = stream;
         self.record_arrived(slot)
     }
+    /// Marks the slot consumed and arrived by the work queued so far on `stream` (after a CUDA
+    /// graph: its copies and its use of the slot are that work). The release recorded at the same
+    /// point orders later copies, so this arrival is not "on another stream" for
+    /// [`Lane::wait_prior_arrival`].
+    fn fence(&self, slot: usize, stream: Stream) -> Result<()> {
+        self.release(slot, stream)?;
+        self.record_arrived_on(slot, stream)
+    }
     /// Makes `compute` wait until the slot's contents have arrived (GPU side).
     fn acquire(&self, slot: usize, compute: Stream) -> Result<()>;
     /// Marks the slot as consumed by the work queued so far on `compute`.
@@ -263,9 +279,13 @@ pub(crate) trait Lane: Send + Sync {
 
 /// Queues one part of a job: wait consumed -> [pre-copy stage] -> `copies` -> [post-copy stage]
 /// -> record arrived, the first two steps only in the job's first part, the last two only in its
-/// last. The staging buffer's upload is recorded after the copies even when one failed: the
-/// copies queued before it still read the buffer, and shutdown waits on that record before the
-/// ring is unmapped. Nothing after a failed step is queued.
+/// last. The first part also orders the copy stream after the slot's previous arrival when that
+/// was recorded on another stream (a decode): a fetch dropped before it was consumed (a miss, a
+/// new order) has no release, and its decodes must not overlap the next job's raw copies. The
+/// staging buffer's upload is recorded after the copies even when one failed: the copies queued
+/// before it still read the buffer, and shutdown waits on that record before the ring is unmapped.
+/// Nothing after a failed step is queued; a job whose early stage ran and a later step failed
+/// still records the stage's arrival (its decodes' end), so the slot's next job waits for them.
 ///
 /// # Safety
 /// Each copy reads `len` bytes at host address `src` and writes `len` bytes at
@@ -277,13 +297,49 @@ pub(crate) unsafe fn enqueue(
 ) -> Result<()> {
     let job = part.job;
     let slot = job.sink.slot();
+    let mut early = None;
     if part.first {
         if let (true, None, Some(stage)) = (part.last, &job.pre_copy, &job.post_copy) {
-            stage.early(lane.stream(), &job.sink, &|s| {
+            match stage.early(lane.stream(), &job.sink, &|s| {
                 lane.wait_consumed_on(slot, s)
-            })?;
+            }) {
+                Ok(true) => early = Some(stage),
+                Ok(false) => {}
+                Err(e) => {
+                    // some of its decodes may be queued: the slot's next job waits for them
+                    if let Some(stream) = stage.arrival_stream() {
+                        let _ = lane.record_arrived_on(slot, stream);
+                    }
+                    return Err(e);
+                }
+            }
         }
+    }
+    // SAFETY: the caller's contract, passed on.
+    let rest = unsafe { enqueue_rest(lane, part, copies) };
+    if let (Err(_), Some(stage)) = (&rest, early) {
+        if let Some(stream) = stage.arrival_stream() {
+            let _ = lane.record_arrived_on(slot, stream); // the first error is the one to report
+        }
+    }
+    rest
+}
+
+/// [`enqueue`] after an early stage: the slot's waits, the pre-copy stage, the copies, the
+/// post-copy stage and arrival.
+///
+/// # Safety
+/// As [`enqueue`].
+unsafe fn enqueue_rest(
+    lane: &dyn Lane,
+    part: Part<'_>,
+    copies: impl IntoIterator<Item = Span>,
+) -> Result<()> {
+    let job = part.job;
+    let slot = job.sink.slot();
+    if part.first {
         lane.wait_consumed(slot)?;
+        lane.wait_prior_arrival(slot)?;
         if let Some(stage) = &job.pre_copy {
             stage.run(lane.stream(), &job.sink)?;
         }
@@ -347,12 +403,15 @@ impl Lane for CpuLane {
     }
 }
 
-/// The two events of each slot. `arrived[s]` is recorded on the copy stream after a unit's bytes
-/// were queued into slot `s`; compute waits on it. `consumed[s]` is recorded on the compute stream
-/// after the unit ran; the next copy into the slot waits on it. The host never waits for either.
+/// The two events of each slot. `arrived[s]` is recorded after a unit's bytes were queued into
+/// slot `s` (on the copy stream, or on a post-copy stage's stream: a decode); compute waits on it.
+/// `consumed[s]` is recorded on the compute stream after the unit ran; the next copies into the
+/// slot (and an early stage's decodes) wait on it. The host never waits for either.
+/// `arrived_elsewhere[s]`: the last arrival was recorded on another stream than the copy stream.
 pub(crate) struct SlotEvents {
     pub arrived: Vec<Event>,
     pub consumed: Vec<Event>,
+    pub arrived_elsewhere: Vec<std::sync::atomic::AtomicBool>,
 }
 
 /// GPU slots: copies queued on `copy_stream`, ordered by the slots' events and by one event per
@@ -383,6 +442,9 @@ impl CudaLane {
             slots: SlotEvents {
                 arrived: mk(slots)?,
                 consumed: mk(slots)?,
+                arrived_elsewhere: (0..slots)
+                    .map(|_| std::sync::atomic::AtomicBool::new(false))
+                    .collect(),
             },
             uploaded: mk(buffers)?,
             errors: errors.clone(),
@@ -433,11 +495,28 @@ impl Lane for CudaLane {
     fn wait_uploaded(&self, buffer: usize) -> Result<()> {
         self.buffer(buffer)?.synchronize()
     }
+    fn wait_prior_arrival(&self, slot: usize) -> Result<()> {
+        if self.slots.arrived_elsewhere[slot].load(Ordering::Relaxed) {
+            self.slots.arrived[slot].wait_on(self.copy_stream)?;
+        }
+        Ok(())
+    }
     fn record_arrived(&self, slot: usize) -> Result<()> {
-        self.slots.arrived[slot].record(self.copy_stream)
+        self.slots.arrived[slot].record(self.copy_stream)?;
+        self.slots.arrived_elsewhere[slot].store(false, Ordering::Relaxed);
+        Ok(())
     }
     fn record_arrived_on(&self, slot: usize, stream: Stream) -> Result<()> {
-        self.slots.arrived[slot].record(stream)
+        self.slots.arrived[slot].record(stream)?;
+        let other = stream.handle() != self.copy_stream.handle();
+        self.slots.arrived_elsewhere[slot].store(other, Ordering::Relaxed);
+        Ok(())
+    }
+    fn fence(&self, slot: usize, stream: Stream) -> Result<()> {
+        self.slots.consumed[slot].record(stream)?;
+        self.slots.arrived[slot].record(stream)?;
+        self.slots.arrived_elsewhere[slot].store(false, Ordering::Relaxed);
+        Ok(())
     }
     fn acquire(&self, slot: usize, compute: Stream) -> Result<()> {
         self.slots.arrived[slot].wait_on(compute)
@@ -498,6 +577,8 @@ pub(crate) mod tests {
         Early(usize),
         /// A stage's stream ordered after the slot's release.
         WaitOn(usize, u64),
+        /// The copies ordered after the slot's previous arrival on another stream.
+        WaitPriorArrival(usize),
     }
 
     /// A CPU lane that really copies and logs every step; copies fail on request.
@@ -505,6 +586,8 @@ pub(crate) mod tests {
     pub(crate) struct Recorder {
         pub log: Arc<Mutex<Vec<Op>>>,
         pub fail_copies: std::sync::atomic::AtomicBool,
+        /// Slots whose last arrival was recorded on a stage's stream.
+        elsewhere: Mutex<std::collections::HashSet<usize>>,
     }
 
     impl Recorder {
@@ -544,12 +627,20 @@ pub(crate) mod tests {
             self.push(Op::WaitUploaded(buffer));
             Ok(())
         }
+        fn wait_prior_arrival(&self, slot: usize) -> Result<()> {
+            if self.elsewhere.lock().unwrap().contains(&slot) {
+                self.push(Op::WaitPriorArrival(slot));
+            }
+            Ok(())
+        }
         fn record_arrived(&self, slot: usize) -> Result<()> {
             self.push(Op::Arrived(slot));
+            self.elsewhere.lock().unwrap().remove(&slot);
             Ok(())
         }
         fn record_arrived_on(&self, slot: usize, stream: Stream) -> Result<()> {
             self.push(Op::ArrivedOn(slot, stream.handle()));
+            self.elsewhere.lock().unwrap().insert(slot);
             Ok(())
         }
         fn acquire(&self, _slot: usize, _compute: Stream) -> Result<()> {
@@ -775,6 +866,10 @@ pub(crate) mod tests {
             self.log.lock().unwrap().push(Op::Early(sink.slot()));
             Ok(true)
         }
+        fn arrival_stream(&self) -> Option<Stream> {
+            // SAFETY: the handle only reaches the recording lane, never the driver.
+            Some(unsafe { Stream::from_raw(7) })
+        }
     }
 
     #[test]
@@ -812,9 +907,47 @@ pub(crate) mod tests {
                     n: 8
                 },
                 Op::Post(2),
-                Op::Arrived(2)
+                Op::ArrivedOn(2, 7)
             ]
         );
+        // the slot's next job, a plain one, orders its copies after that arrival on the other stream
+        let plain = Job::new(
+            Source::Host { src: 0, n: 0 },
+            Sink::Slot {
+                slot: 2,
+                dst: dst.as_mut_ptr() as usize,
+            },
+        );
+        rec.log.lock().unwrap().clear();
+        // SAFETY: as above.
+        unsafe { enqueue(&rec, Part::whole(&plain), [copy]) }.unwrap();
+        let copied = Op::Copy {
+            dst: d,
+            src: s,
+            n: 8,
+        };
+        assert_eq!(
+            rec.ops(),
+            [Op::Wait(2), Op::WaitPriorArrival(2), copied, Op::Arrived(2)]
+        );
+        // a job whose early stage ran and whose copy failed still records the decodes' end
+        rec.fail_copies
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        rec.log.lock().unwrap().clear();
+        // SAFETY: as above.
+        assert!(unsafe { enqueue(&rec, Part::whole(&job), [copy]) }.is_err());
+        assert_eq!(
+            rec.ops(),
+            [
+                Op::WaitOn(2, 7),
+                Op::Early(2),
+                Op::Wait(2),
+                copied,
+                Op::ArrivedOn(2, 7)
+            ]
+        );
+        rec.fail_copies
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         // in parts (a staged job), or behind a pre-copy stage (a page map), it is not early
         let rec = Recorder::default();
         job.post_copy = Some(Arc::new(Early {
@@ -848,7 +981,7 @@ pub(crate) mod tests {
         unsafe { enqueue(&rec, Part::whole(&staged), []) }.unwrap();
         assert_eq!(
             rec.ops(),
-            [Op::Wait(1), Op::Pre(1), Op::Post(1), Op::Arrived(1)]
+            [Op::Wait(1), Op::Pre(1), Op::Post(1), Op::ArrivedOn(1, 7)]
         );
     }
 

@@ -423,8 +423,7 @@ impl Transport {
         self.errors.check()?;
         let _ctx = self.bind()?;
         for slot in 0..self.slots {
-            self.lane.release(slot, stream)?;
-            self.lane.record_arrived_on(slot, stream)?;
+            self.lane.fence(slot, stream)?;
         }
         Ok(())
     }
