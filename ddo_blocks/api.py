@@ -228,7 +228,8 @@ class OffloadHandle:
         if better is None:
             raise OffloadStateError(
                 f"{self.component}: nothing measured to re-plan with: call the module twice first (the second call "
-                "measures each unit's compute); offloads that stream nothing, and the NVMe route, do not re-plan"
+                "measures each unit's compute, and must run every unit: a VAE's encode measures no decoder unit); "
+                "offloads that stream nothing, and the NVMe route, do not re-plan"
             )
         if better["same_plan"] or better["gain"] is None or better["gain"] < min_gain or self._rebuild is None:
             return False

@@ -102,3 +102,43 @@ def test_replan_codes_fewer_units_when_the_decode_costs_more_than_the_link_saves
     handle.remove()
     with torch.no_grad():
         assert torch.equal(model(**x)[0], ref)
+
+
+class TwoPaths(torch.nn.Module):
+    """Two entry points over different blocks, as a VAE's encode and decode."""
+
+    def __init__(self, width: int = 256):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = torch.nn.ModuleList(Block(width, 1) for _ in range(4))
+        self.dec = torch.nn.ModuleList(Block(width, 1) for _ in range(4))
+
+    def encode(self, x):
+        for b in self.enc:
+            x = b(x)
+        return x
+
+    def forward(self, x):
+        for b in self.dec:
+            x = b(x)
+        return x
+
+
+def test_replan_refuses_a_calibration_that_ran_part_of_the_module():
+    """The calibration call went through one entry point: the other's units were not measured, and
+    would plan as free of compute."""
+    model = TwoPaths().eval().requires_grad_(False)
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        ref_dec, ref_enc = model(x), model.encode(x)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    handle = ddo_blocks.offload(model, vram_budget=weights // 2, device="cpu", units="block")
+    with torch.no_grad():
+        assert torch.equal(model(x), ref_dec)  # learns the order
+        assert torch.equal(model.encode(x), ref_enc)  # the calibration call: the encoder only
+    assert "measured_plan_step_s" not in handle.report()["plan"]
+    with pytest.raises(OffloadStateError, match="must run every unit"):
+        handle.replan()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref_dec)
+    handle.remove()

@@ -396,11 +396,13 @@ class StreamingEngine:
         ``OffloadHandle.replan`` would attach. A store with a codec offers variants that code fewer
         units (``codec_variants``: each unit's link bytes and compute with or without its decode),
         so a compute-bound model can drop the decode it does not need. ``None`` before the
-        calibration ran, without streamed units, or for a store with a disk (its simulation is the
-        RAM cache's)."""
+        calibration ran, without streamed units, for a store with a disk (its simulation is the
+        RAM cache's), or when the calibration call did not run every unit to its end."""
         cal = self.scheduler.calibration
         if cal is None or cal.end is None or not self.streamed or self.store.sim_args():
             return None
+        if not cal.covers([u.index for u in self.units]):
+            return None  # a call that ran part of the module: its other units would plan as free of compute
         if self._measured_plan is not None and self._measured_plan[0] is cal:
             return self._measured_plan[1]  # one calibration per engine: planned once
         self._measured_plan = (cal, self._plan_measured(cal))
