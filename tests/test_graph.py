@@ -185,11 +185,13 @@ def test_a_stateful_diffusers_hook_makes_calls_eager_with_the_reason(flux):
     handle.remove()
 
 
-@pytest.mark.parametrize("change", ["hook", "leaf_hook", "new_dict_hook", "removed_hook", "processor", "parameter"])
+@pytest.mark.parametrize("change", ["hook", "leaf_hook", "new_dict_hook", "removed_hook", "processor", "parameter",
+                                    "new_parameter"])
 def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
     """What a graph bakes in and a user may change between calls: a forward hook on a block (it would
     never run again), on a module that had none, a hook removed (it would run for ever), an attention
-    processor, a resident parameter pointed at other memory."""
+    processor, a resident parameter pointed at other memory, a new parameter put in a resident one's
+    place (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``)."""
     x, _, handle, runner = _offloaded(flux)
     seen = []
     early = flux.norm_out.register_forward_hook(lambda m, a, o: seen.append(0)) if change == "removed_hook" else None
@@ -213,9 +215,13 @@ def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
         elif change == "processor":
             attn = flux.transformer_blocks[0].attn
             attn.processor = type(attn.processor)()
-        else:
+        elif change == "parameter":
             resident = next(p for _, p in handle.engine.unit_plan.leftovers)
             resident.data = resident.data.clone()
+        else:
+            name, resident = next((n, p) for n, p in handle.engine.unit_plan.leftovers)
+            owner, _, attr = name.rpartition(".")
+            setattr(flux.get_submodule(owner), attr, torch.nn.Parameter(resident.detach() * 2, requires_grad=False))
         captures, eager = runner.stats.captures, runner.stats.eager_calls
         out = flux(**x)[0]
     assert runner.stats.eager_calls == eager + 1 and runner.stats.captures == captures  # not the old graph
@@ -226,6 +232,31 @@ def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
             assert torch.equal(flux(**x)[0], ref)
     assert torch.equal(out, ref)
     assert runner.stats.captures > captures  # captured anew with the change in it
+    handle.remove()
+
+
+def test_a_swapped_submodule_turns_graphs_off_and_a_registration_elsewhere_does_not(flux):
+    """A layer swapped for another after the offload is outside what the offload manages: graphs go
+    off for good, with the reason. A parameter registered on a module of another model (one built
+    between calls) changes nothing: the replays go on."""
+    x, _, handle, runner = _offloaded(flux)
+    with torch.no_grad():
+        for _ in range(5):
+            flux(**x)
+        replays = runner.stats.replays
+        assert replays > 0
+        other = torch.nn.Linear(4, 4)  # another model's registrations
+        other.extra = torch.nn.Parameter(torch.zeros(2))
+        flux(**x)
+        assert runner.stats.replays == replays + 1 and runner.off_reason is None
+        leaf = flux.norm_out.linear
+        flux.norm_out.linear = torch.nn.Linear(leaf.in_features, leaf.out_features).requires_grad_(False)
+        flux.norm_out.linear.load_state_dict(leaf.state_dict())
+        ref = flux(**x)[0]
+        assert "a submodule was added or swapped" in runner.off_reason and runner.stats.replays == replays + 1
+        for _ in range(2):
+            assert torch.equal(flux(**x)[0], ref)
+    assert "a submodule was added or swapped" in handle.report()["graph"]["status"]
     handle.remove()
 
 

@@ -26,7 +26,10 @@ What makes the replay right:
   calls again: classifier-free guidance).
 - **The key** of a call: its entry point; its inputs' shapes, strides and dtypes and its plain
   values; the grad, inference, autocast and training modes; and what of the module a graph bakes in
-  (every forward hook in the tree, each resident parameter's memory, each attention processor). A different
+  (every forward hook in the tree, each resident parameter's and buffer's memory, each attention
+  processor). A tensor registered in place of one (``module.weight = nn.Parameter(...)``) is seen
+  through torch's global registration hooks (:data:`REGISTRATIONS`); a submodule added or swapped
+  turns graphs off for the component, with the reason. A different
   key drops the graphs and runs eagerly, as do a scheduler not in a steady state, a changed order, an
   input on another device or of another kind, and diffusers hooks (they change calls step by step).
   A failed capture (a host sync, a data-dependent branch, an allocation the graph cannot make) runs
@@ -41,6 +44,7 @@ give the runner a backend that re-runs the captured call instead.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import statistics
 import time
@@ -175,6 +179,31 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Mo
 
 _PROCESSOR = operator.attrgetter("processor")
 
+REGISTRATIONS = {"parameter": 0, "buffer": 0, "module": 0}
+"""Parameters, buffers and submodules registered on any module of the process since the first
+runner was made (``torch.nn.modules.module``'s global registration hooks: ``module.weight =
+nn.Parameter(...)``, ``load_state_dict(assign=True)``, ``register_buffer``, a layer swapped for a
+wrapper). A graph holds the memory of the tensors it was captured with, and the per-call key compares
+the addresses of the tensors the runner listed: a tensor put in their place is seen through these."""
+
+_watching: list[Any] = []
+
+
+def watch_registrations() -> None:
+    """Installs the three global registration hooks once per process (they only count)."""
+    if _watching:
+        return
+    hooks = torch.nn.modules.module
+
+    def counter(kind: str) -> Any:
+        def hook(module: nn.Module, name: str, value: Any) -> None:
+            REGISTRATIONS[kind] += 1
+
+        return hook
+
+    for kind in REGISTRATIONS:
+        _watching.append(getattr(hooks, f"register_module_{kind}_registration_hook")(counter(kind)))
+
 
 def _module_state(torch_hooks: tuple[int, int], params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
     """What of the module a graph bakes in and a call could change: the forward hooks on every module
@@ -205,11 +234,34 @@ class GraphRunner:
         self._graphs: dict[tuple, Captured] = {}
         self._side: torch.cuda.Stream | None = None
         self._last_done: Any = None
-        rebound = {id(p) for u in scheduler.streamed for _, p in u.params}
-        self._params = [p for p in scheduler.module.parameters() if id(p) not in rebound]
-        """The parameters whose memory the key holds: the resident ones (a streamed one is pointed at its
-        slot by the engine, eagerly as in the graph, whatever it was pointed at)."""
+        watch_registrations()
+        self._registrations = dict(REGISTRATIONS)
+        self._rebound = {id(p) for u in scheduler.streamed for _, p in u.params}
+        self._params = self._resident_tensors()
+        """The parameters and buffers whose memory the key holds: the resident ones (a streamed one is
+        pointed at its slot by the engine, eagerly as in the graph, whatever it was pointed at)."""
         self._processors = [m for m in scheduler.modules if hasattr(m, "processor")]  # listed at install
+
+    def _resident_tensors(self) -> list[torch.Tensor]:
+        module = self.scheduler.module
+        return ([p for p in module.parameters() if id(p) not in self._rebound]
+                + [b for b in module.buffers() if b is not None])
+
+    def _registered_since(self) -> str | None:
+        """After a registration anywhere in the process: lists the module's tensors again (a new one
+        in a resident one's place changes the key), and says why graphs go off for good if the
+        module's own tree changed (a submodule added or swapped: the offload does not manage it)."""
+        now = REGISTRATIONS
+        if now == self._registrations:
+            return None
+        modules_changed = now["module"] != self._registrations["module"]
+        self._registrations = dict(now)
+        self._params = self._resident_tensors()
+        if modules_changed and any(a is not b for a, b in itertools.zip_longest(self.scheduler.module.modules(),
+                                                                                  self.scheduler.modules)):
+            return ("a submodule was added or swapped after the offload (the offload does not manage it): "
+                    "remove() and offload() the module again to replay graphs")
+        return None
 
     # ---------------------------------------------------------------------------------------------
     def call(self, method: Any, args: tuple, kwargs: dict) -> Any:
@@ -223,6 +275,11 @@ class GraphRunner:
             self._forget()
             self._key = None
             return self._eager(method, args, kwargs, why)  # its own checks scan the hooks
+        swapped = self._registered_since()
+        if swapped is not None:
+            self.off_reason = swapped
+            self._forget()
+            return self._eager(method, args, kwargs, swapped)
         torch_hooks, (on_top, stateful) = sched.hook_scan.scan()
         # the entry point and what of the module the graph would bake in
         key = (getattr(method, "__name__", ""), key, _module_state(torch_hooks, self._params, self._processors))
