@@ -186,12 +186,14 @@ def test_a_stateful_diffusers_hook_makes_calls_eager_with_the_reason(flux):
 
 
 @pytest.mark.parametrize("change", ["hook", "leaf_hook", "new_dict_hook", "removed_hook", "processor", "parameter",
-                                    "new_parameter"])
+                                    "new_parameter", "bias_none", "direct_write", "forward_override"])
 def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
     """What a graph bakes in and a user may change between calls: a forward hook on a block (it would
     never run again), on a module that had none, a hook removed (it would run for ever), an attention
     processor, a resident parameter pointed at other memory, a new parameter put in a resident one's
-    place (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``)."""
+    place (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``), a bias set to
+    ``None`` (torch runs no registration hook for it), a direct ``_parameters`` write (accelerate's
+    ``set_module_tensor_to_device``, ``torch.func.functional_call``), a forward set on an instance."""
     x, _, handle, runner = _offloaded(flux)
     seen = []
     early = flux.norm_out.register_forward_hook(lambda m, a, o: seen.append(0)) if change == "removed_hook" else None
@@ -218,10 +220,21 @@ def test_a_change_to_the_module_is_seen_and_captured_anew(flux, change):
         elif change == "parameter":
             resident = next(p for _, p in handle.engine.unit_plan.leftovers)
             resident.data = resident.data.clone()
+        elif change == "forward_override":
+            orig = flux.norm_out.forward
+            flux.norm_out.forward = lambda *a, **k: orig(*a, **k) * 2
         else:
-            name, resident = next((n, p) for n, p in handle.engine.unit_plan.leftovers)
+            pick = (lambda n: n.endswith(".bias")) if change == "bias_none" else (lambda n: True)
+            name, resident = next((n, p) for n, p in handle.engine.unit_plan.leftovers if pick(n))
             owner, _, attr = name.rpartition(".")
-            setattr(flux.get_submodule(owner), attr, torch.nn.Parameter(resident.detach() * 2, requires_grad=False))
+            owner = flux.get_submodule(owner)
+            new = torch.nn.Parameter(resident.detach() * 2, requires_grad=False)
+            if change == "bias_none":
+                owner.bias = None
+            elif change == "direct_write":
+                owner._parameters[attr] = new
+            else:
+                setattr(owner, attr, new)
         captures, eager = runner.stats.captures, runner.stats.eager_calls
         out = flux(**x)[0]
     assert runner.stats.eager_calls == eager + 1 and runner.stats.captures == captures  # not the old graph
@@ -253,10 +266,24 @@ def test_a_swapped_submodule_turns_graphs_off_and_a_registration_elsewhere_does_
         flux.norm_out.linear = torch.nn.Linear(leaf.in_features, leaf.out_features).requires_grad_(False)
         flux.norm_out.linear.load_state_dict(leaf.state_dict())
         ref = flux(**x)[0]
-        assert "a submodule was added or swapped" in runner.off_reason and runner.stats.replays == replays + 1
+        assert "a submodule was added, removed or swapped" in runner.off_reason and runner.stats.replays == replays + 1
         for _ in range(2):
             assert torch.equal(flux(**x)[0], ref)
-    assert "a submodule was added or swapped" in handle.report()["graph"]["status"]
+    assert "a submodule was added, removed or swapped" in handle.report()["graph"]["status"]
+    handle.remove()
+
+
+def test_a_forward_that_puts_new_tensors_in_its_tree_every_call_turns_graphs_off(flux):
+    """A buffer reassigned at every call (here by a pre-hook, as some rotary embeddings do in their
+    forward) would give every call a new key: once is a lazily made cache, twice turns graphs off."""
+    x, _, handle, runner = _offloaded(flux)
+    flux.norm_out.register_buffer("cache", torch.zeros(1), persistent=False)
+    flux.norm_out.register_forward_pre_hook(lambda m, a: setattr(m, "cache", torch.zeros(1)))
+    with torch.no_grad():
+        ref = flux(**x)[0]
+        for _ in range(5):
+            assert torch.equal(flux(**x)[0], ref)
+    assert runner.stats.replays == 0 and "in its own tree in its forward" in runner.off_reason
     handle.remove()
 
 

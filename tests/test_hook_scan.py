@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import types
 
+import torch
 from torch import nn
 
 from ddo_blocks import _native
@@ -31,20 +32,20 @@ def test_the_scan_counts_hooks_as_the_walk_does():
     model = _tree()
     modules = list(model.modules())
     scan = guards.HookScan(model, modules)
-    assert scan.scan()[0] == _walk(modules) == (0, -1)
+    assert scan.scan()[0][:2] == _walk(modules) == (0, -1)
     handles = [modules[1].register_forward_hook(lambda m, a, o: None),
                modules[4].register_forward_pre_hook(lambda m, a: None),
                modules[4].register_forward_hook(lambda m, a, o: None, always_call=True)]
-    assert scan.scan()[0] == _walk(modules) and scan.scan()[0][0] == 3
+    assert scan.scan()[0][:2] == _walk(modules) and scan.scan()[0][0] == 3
     handles[0].remove()
-    assert scan.scan()[0] == _walk(modules) and scan.scan()[0][0] == 2
+    assert scan.scan()[0][:2] == _walk(modules) and scan.scan()[0][0] == 2
     # a hook dict replaced by code that clears hooks, then a hook added to the new one
     modules[3]._forward_hooks = collections.OrderedDict()
     modules[3].register_forward_hook(lambda m, a, o: None)
-    assert scan.scan()[0] == _walk(modules) and scan.scan()[0][0] == 3
+    assert scan.scan()[0][:2] == _walk(modules) and scan.scan()[0][0] == 3
     # a mapping that is not a dict is counted as Python counts it
     modules[2].__dict__["_forward_pre_hooks"] = types.MappingProxyType({10**6: lambda m, a: None})
-    assert scan.scan()[0] == (4, 10**6)
+    assert scan.scan()[0][:2] == (4, 10**6)
 
 
 def test_the_scan_finds_registries_and_accelerate_hooks_and_names_only_foreign_ones():
@@ -57,7 +58,7 @@ def test_the_scan_finds_registries_and_accelerate_hooks_and_names_only_foreign_o
         _ddo_owned = True
 
     modules[1]._hf_hook = Owned()  # ours (the execution-device hook): nothing to refuse
-    (_, _, found) = _native.scan_module_dicts([m.__dict__ for m in modules])
+    (_, _, found, _) = _native.scan_module_dicts([m.__dict__ for m in modules])
     assert [(i, r, type(h)) for i, r, h in found] == [(1, None, Owned)]
     assert scan.hooks_on() == (None, None) == guards.hooks_on(model, modules)
 
@@ -102,7 +103,37 @@ def test_hook_keys_that_are_not_torch_ids_are_keyed_not_refused():
     scan = guards.HookScan(model, modules)
     modules[1]._forward_hooks["probe"] = lambda m, a, o: None  # someone's own key
     modules[2]._forward_hooks[2**70] = lambda m, a, o: None
-    (count, newest), on = scan.scan()
+    (count, newest, _), on = scan.scan()
     assert count == 2 and on == (None, None)
     del modules[1]._forward_hooks["probe"]
     assert scan.scan()[0] != (count, newest)  # a change is still seen
+
+
+def test_the_tree_hash_sees_tensors_and_layers_put_in_place_by_any_way():
+    """The third figure of the scan: what every module's ``_parameters``, ``_buffers`` and ``_modules``
+    hold, by identity. A CUDA graph's key holds it, so that a replay never runs with a tensor or a
+    layer that is no longer the module's."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model.register_buffer("scale", torch.ones(1))
+    modules = list(model.modules())
+    scan = guards.HookScan(model, modules)
+
+    def tree():
+        return scan.scan()[0][2]
+
+    seen = [tree()]
+    model[0].weight.data = torch.zeros(4, 4)  # the same tensor object: its memory is the key's business
+    model[0].register_forward_hook(lambda m, a, o: None)  # hooks are counted apart
+    assert tree() == seen[-1]
+    changes = [
+        lambda: setattr(model[0], "weight", torch.nn.Parameter(torch.zeros(4, 4))),
+        lambda: setattr(model[0], "bias", None),  # torch skips its registration hooks for None
+        lambda: model[1]._parameters.__setitem__("weight", torch.nn.Parameter(torch.ones(4, 4))),
+        lambda: model._buffers.__setitem__("scale", torch.zeros(1)),
+        lambda: model.append(torch.nn.Identity()),
+        lambda: model.__delitem__(2),
+    ]
+    for change in changes:
+        change()
+        seen.append(tree())
+        assert seen[-1] != seen[-2], change

@@ -27,9 +27,11 @@ What makes the replay right:
 - **The key** of a call: its entry point; its inputs' shapes, strides and dtypes and its plain
   values; the grad, inference, autocast and training modes; and what of the module a graph bakes in
   (every forward hook in the tree, each resident parameter's and buffer's memory, each attention
-  processor). A tensor registered in place of one (``module.weight = nn.Parameter(...)``) is seen
-  through torch's global registration hooks (:data:`REGISTRATIONS`); a submodule added or swapped
-  turns graphs off for the component, with the reason. A different
+  processor). A tensor put in a resident one's place (``module.weight = nn.Parameter(...)``, ``bias
+  = None``, a direct ``_parameters`` write, ``torch.func.functional_call``) changes the hook scan's
+  hash of the tree's tensors and layers by identity, and the key's tensors are listed again; a
+  submodule added, removed or swapped turns graphs off for the component, with the reason, as does a
+  forward that puts new tensors in its own tree at every call (a buffer reassigned in forward). A different
   key drops the graphs and runs eagerly, as do a scheduler not in a steady state, a changed order, an
   input on another device or of another kind, and diffusers hooks (they change calls step by step).
   A failed capture (a host sync, a data-dependent branch, an allocation the graph cannot make) runs
@@ -179,32 +181,6 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Mo
 
 _PROCESSOR = operator.attrgetter("processor")
 
-REGISTRATIONS = {"parameter": 0, "buffer": 0, "module": 0}
-"""Parameters, buffers and submodules registered on any module of the process since the first
-runner was made (``torch.nn.modules.module``'s global registration hooks: ``module.weight =
-nn.Parameter(...)``, ``load_state_dict(assign=True)``, ``register_buffer``, a layer swapped for a
-wrapper). A graph holds the memory of the tensors it was captured with, and the per-call key compares
-the addresses of the tensors the runner listed: a tensor put in their place is seen through these."""
-
-_watching: list[Any] = []
-
-
-def watch_registrations() -> None:
-    """Installs the three global registration hooks once per process (they only count)."""
-    if _watching:
-        return
-    hooks = torch.nn.modules.module
-
-    def counter(kind: str) -> Any:
-        def hook(module: nn.Module, name: str, value: Any) -> None:
-            REGISTRATIONS[kind] += 1
-
-        return hook
-
-    for kind in REGISTRATIONS:
-        _watching.append(getattr(hooks, f"register_module_{kind}_registration_hook")(counter(kind)))
-
-
 def _module_state(torch_hooks: tuple[int, int], params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
     """What of the module a graph bakes in and a call could change: the forward hooks on every module
     (their count and the newest hook's id, ``guards.HookScan``), each resident parameter's memory,
@@ -234,8 +210,9 @@ class GraphRunner:
         self._graphs: dict[tuple, Captured] = {}
         self._side: torch.cuda.Stream | None = None
         self._last_done: Any = None
-        watch_registrations()
-        self._registrations = dict(REGISTRATIONS)
+        self._tree: int | None = None
+        """The tree hash (``guards.HookScan``) the tensor list below was made for."""
+        self._changed_in_forward = 0
         self._rebound = {id(p) for u in scheduler.streamed for _, p in u.params}
         self._params = self._resident_tensors()
         """The parameters and buffers whose memory the key holds: the resident ones (a streamed one is
@@ -247,20 +224,20 @@ class GraphRunner:
         return ([p for p in module.parameters() if id(p) not in self._rebound]
                 + [b for b in module.buffers() if b is not None])
 
-    def _registered_since(self) -> str | None:
-        """After a registration anywhere in the process: lists the module's tensors again (a new one
-        in a resident one's place changes the key), and says why graphs go off for good if the
-        module's own tree changed (a submodule added or swapped: the offload does not manage it)."""
-        now = REGISTRATIONS
-        if now == self._registrations:
+    def _tree_changed(self, tree: int) -> str | None:
+        """The tree hash moved (a tensor or a layer put in another's place, removed or added): lists
+        the module's tensors again (a new one in a resident one's place changes the key's addresses),
+        and says why graphs go off for good if its layers changed (a submodule added, removed or
+        swapped: the offload does not manage it)."""
+        first = self._tree is None
+        self._tree = tree
+        if first:
             return None
-        modules_changed = now["module"] != self._registrations["module"]
-        self._registrations = dict(now)
         self._params = self._resident_tensors()
-        if modules_changed and any(a is not b for a, b in itertools.zip_longest(self.scheduler.module.modules(),
-                                                                                  self.scheduler.modules)):
-            return ("a submodule was added or swapped after the offload (the offload does not manage it): "
-                    "remove() and offload() the module again to replay graphs")
+        if any(a is not b for a, b in itertools.zip_longest(self.scheduler.module.modules(), self.scheduler.modules)):
+            return ("a submodule was added, removed or swapped after the offload (the offload does not manage "
+                    "it: an IP-Adapter's or a LoRA's layers): remove() and offload() the module again to replay "
+                    "graphs")
         return None
 
     # ---------------------------------------------------------------------------------------------
@@ -275,12 +252,14 @@ class GraphRunner:
             self._forget()
             self._key = None
             return self._eager(method, args, kwargs, why)  # its own checks scan the hooks
-        swapped = self._registered_since()
-        if swapped is not None:
-            self.off_reason = swapped
-            self._forget()
-            return self._eager(method, args, kwargs, swapped)
         torch_hooks, (on_top, stateful) = sched.hook_scan.scan()
+        tree = torch_hooks[2]
+        if tree != self._tree:
+            swapped = self._tree_changed(tree)
+            if swapped is not None:
+                self.off_reason = swapped
+                self._forget()
+                return self._eager(method, args, kwargs, swapped)
         # the entry point and what of the module the graph would bake in
         key = (getattr(method, "__name__", ""), key, _module_state(torch_hooks, self._params, self._processors))
         if key != self._key:
@@ -301,7 +280,20 @@ class GraphRunner:
                 return out[0]
             why = self.reason
         self._same_key_calls += 1
-        return self._eager(method, args, kwargs, why)
+        return self._eager_watched(method, args, kwargs, why, tree)
+
+    def _eager_watched(self, method: Any, args: tuple, kwargs: dict, why: str | None, tree: int) -> Any:
+        """An eager call that may lead to a capture: a forward that puts new tensors or layers in its
+        own tree (a buffer reassigned in forward) would give every call a new key; twice seen, graphs
+        go off with the reason (once is a lazily made cache)."""
+        out = self._eager(method, args, kwargs, why)
+        if self.off_reason is None and self.scheduler.hook_scan.scan()[0][2] != tree:
+            self._changed_in_forward += 1
+            if self._changed_in_forward >= 2:
+                self.off_reason = ("the module puts new tensors or layers in its own tree in its forward (a buffer "
+                                   "reassigned at every call): a graph would replay the old ones")
+                self._forget()
+        return out
 
     def _eager(self, method: Any, args: tuple, kwargs: dict, why: str | None) -> Any:
         self.reason = why

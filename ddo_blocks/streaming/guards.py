@@ -148,17 +148,22 @@ class HookScan:
         self.module = module
         self.modules = modules
         self._dicts = [m.__dict__ for m in modules]
+        # listed once: code that replaces a module's ``_parameters`` dict itself is not seen (torch's
+        # own code writes into it)
+        self._tree_dicts = [getattr(m, k) for m in modules for k in ("_parameters", "_buffers", "_modules")]
 
-    def scan(self) -> tuple[tuple[int, int], tuple[str | None, str | None]]:
-        """``((hook count, newest hook id), hooks_on(...))``: the forward hooks on every module (torch
-        numbers hooks from one counter, so a hook removed and another added changes the id) and
-        :func:`hooks_on`'s ``(offloading on top, stateful hooks)``."""
-        count, newest, found = _native.scan_module_dicts(self._dicts)
+    def scan(self) -> tuple[tuple[int, int, int], tuple[str | None, str | None]]:
+        """``((hook count, newest hook id, tree), hooks_on(...))``: the forward hooks on every module
+        (torch numbers hooks from one counter, so a hook removed and another added changes the id),
+        a hash of every module's parameters, buffers and submodules by identity (``tree``: a tensor
+        or a layer put in another's place, removed or added changes it), and :func:`hooks_on`'s
+        ``(offloading on top, stateful hooks)``."""
+        count, newest, found, tree = _native.scan_module_dicts(self._dicts, self._tree_dicts)
         # a registry with no hooks left finds nothing; one without a ``hooks`` dict is walked
         registries = any(r is not None and getattr(r, "hooks", True) for _, r, _ in found)
         foreign = any(h is not None and not getattr(h, "_ddo_owned", False) for _, _, h in found)
         on = hooks_on(self.module, self.modules) if registries or foreign else (None, None)
-        return (count, newest), on
+        return (count, newest, tree), on
 
     def hooks_on(self) -> tuple[str | None, str | None]:
         """:func:`hooks_on` of the component: ``(offloading on top, stateful hooks)``."""
