@@ -310,12 +310,11 @@ class SlabLayout:
 
 def scan_module_dicts(
     dicts: list[dict[str, Any]],
-    tree_dicts: list[dict[str, Any]] | None = None,
 ) -> tuple[int, int, list[tuple[int, Any | None, Any | None]], int]:
     """One pass over modules' ``__dict__``s: ``(forward hook count, newest hook id or -1, found, tree)``,
     ``found`` being ``(index, _diffusers_hook or None, _hf_hook or None)`` for each module with either,
-    ``tree`` a hash of each instance's own ``forward`` and of what ``tree_dicts`` (each module's
-    ``_parameters``, ``_buffers``, ``_modules``) hold, by name and value identity."""
+    ``tree`` a hash of each instance's own ``forward`` and of what each module's ``_parameters``,
+    ``_buffers`` and ``_modules`` hold, by name and value identity."""
 def plan(
     unit_bytes: Sequence[int],
     *,

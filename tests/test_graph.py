@@ -287,6 +287,45 @@ def test_a_forward_that_puts_new_tensors_in_its_tree_every_call_turns_graphs_off
     handle.remove()
 
 
+def test_a_submodule_swapped_before_the_first_call_is_seen(flux):
+    """Between offload() and the first call is after the offload too."""
+    x, _, handle, runner = _offloaded(flux)
+    leaf = flux.norm_out.linear
+    flux.norm_out.linear = torch.nn.Linear(leaf.in_features, leaf.out_features).requires_grad_(False)
+    with torch.no_grad():
+        ref = flux(**x)[0]
+        for _ in range(5):
+            assert torch.equal(flux(**x)[0], ref)
+    assert runner.stats.replays == 0 and "a submodule was added, removed or swapped" in runner.off_reason
+    handle.remove()
+
+
+def test_a_cache_that_grows_now_and_then_keeps_the_graphs(flux):
+    """A buffer made anew only when the input grows (a rotary cache sized to the longest input so
+    far): once, then replays, then once more on a larger input, is not a forward that changes its tree
+    at every call."""
+    x, _, handle, runner = _offloaded(flux)
+    seen = {"n": 0}
+    flux.norm_out.register_buffer("cache", torch.zeros(1), persistent=False)
+
+    def grow(module, args):
+        n = args[0].shape[1]
+        if n > seen["n"]:
+            seen["n"] = n
+            module.cache = torch.zeros(n)
+
+    flux.norm_out.register_forward_pre_hook(grow)
+    big = flux_inputs(flux, height=16, width=16)
+    with torch.no_grad():
+        for inputs in (x, big):
+            ref = _reference(flux, inputs)
+            replays = runner.stats.replays
+            for _ in range(6):
+                assert torch.equal(flux(**inputs)[0], ref)
+            assert runner.stats.replays > replays and runner.off_reason is None
+    handle.remove()
+
+
 def test_a_streamed_parameter_pointed_elsewhere_keeps_the_graph(flux):
     """A streamed parameter is pointed at its slot at every eager call, so the key leaves it out: a
     user's ``p.data = ...`` on it changes nothing eagerly nor in a replay, and the graph stays."""

@@ -213,6 +213,8 @@ class GraphRunner:
         self._tree: int | None = None
         """The tree hash (``guards.HookScan``) the tensor list below was made for."""
         self._changed_in_forward = 0
+        """Eager calls in a row during which the module changed its own tree."""
+        self._forwards: list[Any] = []
         self._rebound = {id(p) for u in scheduler.streamed for _, p in u.params}
         self._params = self._resident_tensors()
         """The parameters and buffers whose memory the key holds: the resident ones (a streamed one is
@@ -229,11 +231,10 @@ class GraphRunner:
         the module's tensors again (a new one in a resident one's place changes the key's addresses),
         and says why graphs go off for good if its layers changed (a submodule added, removed or
         swapped: the offload does not manage it)."""
-        first = self._tree is None
-        self._tree = tree
-        if first:
-            return None
+        self._tree = tree  # the first call too: the tree may have changed since the offload
         self._params = self._resident_tensors()
+        # held, so that a replaced forward's address is never reused by the next one
+        self._forwards = [m.__dict__.get("forward") for m in self.scheduler.modules]
         if any(a is not b for a, b in itertools.zip_longest(self.scheduler.module.modules(), self.scheduler.modules)):
             return ("a submodule was added, removed or swapped after the offload (the offload does not manage "
                     "it: an IP-Adapter's or a LoRA's layers): remove() and offload() the module again to replay "
@@ -284,11 +285,12 @@ class GraphRunner:
 
     def _eager_watched(self, method: Any, args: tuple, kwargs: dict, why: str | None, tree: int) -> Any:
         """An eager call that may lead to a capture: a forward that puts new tensors or layers in its
-        own tree (a buffer reassigned in forward) would give every call a new key; twice seen, graphs
-        go off with the reason (once is a lazily made cache)."""
+        own tree (a buffer reassigned in forward) would give every call a new key; seen on two eager
+        calls in a row, graphs go off with the reason (once is a lazily made or grown cache)."""
         out = self._eager(method, args, kwargs, why)
-        if self.off_reason is None and self.scheduler.hook_scan.scan()[0][2] != tree:
-            self._changed_in_forward += 1
+        if self.off_reason is None:
+            moved = self.scheduler.hook_scan.scan()[0][2] != tree
+            self._changed_in_forward = self._changed_in_forward + 1 if moved else 0
             if self._changed_in_forward >= 2:
                 self.off_reason = ("the module puts new tensors or layers in its own tree in its forward (a buffer "
                                    "reassigned at every call): a graph would replay the old ones")

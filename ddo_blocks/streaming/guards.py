@@ -148,9 +148,6 @@ class HookScan:
         self.module = module
         self.modules = modules
         self._dicts = [m.__dict__ for m in modules]
-        # listed once: code that replaces a module's ``_parameters`` dict itself is not seen (torch's
-        # own code writes into it)
-        self._tree_dicts = [getattr(m, k) for m in modules for k in ("_parameters", "_buffers", "_modules")]
 
     def scan(self) -> tuple[tuple[int, int, int], tuple[str | None, str | None]]:
         """``((hook count, newest hook id, tree), hooks_on(...))``: the forward hooks on every module
@@ -158,7 +155,7 @@ class HookScan:
         a hash of every module's parameters, buffers and submodules by identity (``tree``: a tensor
         or a layer put in another's place, removed or added changes it), and :func:`hooks_on`'s
         ``(offloading on top, stateful hooks)``."""
-        count, newest, found, tree = _native.scan_module_dicts(self._dicts, self._tree_dicts)
+        count, newest, found, tree = _native.scan_module_dicts(self._dicts)
         # a registry with no hooks left finds nothing; one without a ``hooks`` dict is walked
         registries = any(r is not None and getattr(r, "hooks", True) for _, r, _ in found)
         foreign = any(h is not None and not getattr(h, "_ddo_owned", False) for _, _, h in found)

@@ -10,20 +10,18 @@ use pyo3::types::{PyDict, PyList};
 
 /// Returns `(hook count, newest hook id or -1, found, tree)` where `found` lists, in module order,
 /// `(index, registry or None, hf hook or None)` for every module that has either attribute, and
-/// `tree` is a hash of a `forward` set on each instance and of what the dicts of `tree_dicts` hold
-/// (the caller passes each module's `_parameters`, `_buffers` and `_modules`, listed once): each
-/// entry's name and the identity of its value, `None` included. A tensor or submodule put in
-/// another's place, removed or added changes it whatever the way (`setattr`, a direct dict write,
-/// `torch.func.functional_call`); the caller keeps the old values alive, so an identity is never
-/// reused. A hook dict that is not a dict (someone replaced it with another mapping) is counted
-/// through `len()` and its keys as it iterates them.
+/// `tree` is a hash of a `forward` set on each instance and of what each module's `_parameters`,
+/// `_buffers` and `_modules` hold (looked up every call: torch's own `ModuleList.__delitem__`
+/// replaces `_modules`): each entry's name and the identity of its value, `None` included. A tensor
+/// or submodule put in another's place, removed or added changes it whatever the way (`setattr`, a
+/// direct dict write, `torch.func.functional_call`). The caller keeps the old values (and forwards)
+/// alive, so an identity is never reused. A hook dict that is not a dict (someone replaced it with
+/// another mapping) is counted through `len()` and its keys as it iterates them.
 #[pyfunction]
-#[pyo3(signature = (dicts, tree_dicts=None))]
 #[allow(clippy::type_complexity)]
 fn scan_module_dicts<'py>(
     py: Python<'py>,
     dicts: &Bound<'py, PyList>,
-    tree_dicts: Option<&Bound<'py, PyList>>,
 ) -> PyResult<(
     usize,
     i64,
@@ -33,6 +31,11 @@ fn scan_module_dicts<'py>(
     let hook_keys = [
         intern!(py, "_forward_hooks"),
         intern!(py, "_forward_pre_hooks"),
+    ];
+    let tree_keys = [
+        intern!(py, "_parameters"),
+        intern!(py, "_buffers"),
+        intern!(py, "_modules"),
     ];
     let forward_key = intern!(py, "forward");
     let registry_key = intern!(py, "_diffusers_hook");
@@ -46,6 +49,26 @@ fn scan_module_dicts<'py>(
         match d.get_item(forward_key)? {
             Some(f) => tree.add(f.as_ptr() as usize as u64),
             None => tree.add(u64::MAX),
+        }
+        for key in tree_keys {
+            let Some(entries) = d.get_item(key)? else {
+                tree.add(u64::MAX);
+                continue;
+            };
+            match entries.cast::<PyDict>() {
+                Ok(entries) => {
+                    tree.add(entries.len() as u64);
+                    for (name, value) in entries.iter() {
+                        tree.add(name.as_ptr() as usize as u64);
+                        tree.add(value.as_ptr() as usize as u64);
+                    }
+                }
+                // not a dict: its identity and length
+                Err(_) => {
+                    tree.add(entries.as_ptr() as usize as u64);
+                    tree.add(entries.len().unwrap_or(0) as u64);
+                }
+            }
         }
         for key in hook_keys {
             let Some(hooks) = d.get_item(key)? else {
@@ -69,22 +92,6 @@ fn scan_module_dicts<'py>(
         let hf = d.get_item(hf_key)?.filter(|h| !h.is_none());
         if registry.is_some() || hf.is_some() {
             found.push((i, registry, hf));
-        }
-    }
-    for entries in tree_dicts.into_iter().flat_map(|l| l.iter()) {
-        match entries.cast::<PyDict>() {
-            Ok(entries) => {
-                tree.add(entries.len() as u64);
-                for (name, value) in entries.iter() {
-                    tree.add(name.as_ptr() as usize as u64);
-                    tree.add(value.as_ptr() as usize as u64);
-                }
-            }
-            // not a dict: its identity and length
-            Err(_) => {
-                tree.add(entries.as_ptr() as usize as u64);
-                tree.add(entries.len().unwrap_or(0) as u64);
-            }
         }
     }
     Ok((count, newest, found, tree.0))
