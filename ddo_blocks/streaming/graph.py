@@ -181,10 +181,11 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Mo
 
 _PROCESSOR = operator.attrgetter("processor")
 
-def _module_state(torch_hooks: tuple[int, int], params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
+
+def _module_state(torch_hooks: tuple[int, int, int], params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
     """What of the module a graph bakes in and a call could change: the forward hooks on every module
-    (their count and the newest hook's id, ``guards.HookScan``), each resident parameter's memory,
-    each attention processor's identity."""
+    (their count and the newest hook's id) and the tree's hash (``guards.HookScan``), each resident
+    parameter's and buffer's memory, each attention processor's identity."""
     return (torch_hooks, tuple(map(torch.Tensor.data_ptr, params)), tuple(map(id, map(_PROCESSOR, processors))))
 
 
