@@ -137,7 +137,6 @@ class OffloadHandle:
             # for it, so that the one re-plan places the resident units by measured compute, not by
             # the prior's bytes (a block's modulation weights stream without compute to hide them).
             auto.pending_bytes = new
-            auto.reason += ": the re-plan waits for the second call, which measures each unit's compute"
             engine.after_entry_call = self._after_calibration_call
             return
         self._auto_replan(new, None, "after the first call")
@@ -162,16 +161,15 @@ class OffloadHandle:
         """Attaches the component again at the budget ``auto`` chose (planned with ``measured``
         compute when given); a failed attach attaches the first budget again."""
         auto = self.auto
-        grown = auto.reason.split(": the re-plan waits", 1)[0]
         failed = self._attach_again(new, fallback_budget=self.vram_budget, measured=measured)  # the call is done
         if failed is not None:  # the first budget worked: it is attached again
-            auto.reason = f"{grown}; attaching at {new} bytes failed ({failed}), the first budget was attached again"
+            auto.reason += f"; attaching at {new} bytes failed ({failed}), the first budget was attached again"
             log.warning("ddo_blocks: %s: %s", self.component, auto.reason)
             return
         self.vram_budget = new
         auto.replanned_bytes = new
         auto.measured_compute = measured is not None
-        auto.reason = f"re-planned {when}: {grown}"
+        auto.reason = f"re-planned {when}: {auto.reason}"
         log.info("ddo_blocks: %s: vram_budget='auto' %s", self.component, auto.reason)
 
     def _arena_replan(self) -> None:
@@ -265,7 +263,7 @@ class OffloadHandle:
         self._removed = True
         if self.auto is not None and self.auto.pending_bytes is not None:
             self.auto.pending_bytes = None
-            self.auto.reason = self.auto.reason.split(": the re-plan waits", 1)[0] + ": removed before the re-plan"
+            self.auto.reason += ": removed before the re-plan"
         if self._guard is not None:
             self._guard.remove()
             self._guard = None

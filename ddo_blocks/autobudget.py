@@ -143,5 +143,6 @@ class AutoBudget:
             "pending_budget_bytes": self.pending_bytes,
             "measured_compute": self.measured_compute,
             "activation_pools": self.pools,
-            "reason": self.reason,
+            "reason": self.reason + (": the re-plan waits for the second call, which measures each unit's compute"
+                                     if self.pending_bytes is not None else ""),
         }

@@ -398,11 +398,9 @@ class StreamingEngine:
         so a compute-bound model can drop the decode it does not need. ``None`` before the
         calibration ran, without streamed units, for a store with a disk (its simulation is the
         RAM cache's), or when the calibration call did not run every unit to its end."""
-        cal = self.scheduler.calibration
-        if cal is None or cal.end is None or not self.streamed or self.store.sim_args():
+        cal = self._usable_calibration()
+        if cal is None:
             return None
-        if not cal.covers([u.index for u in self.units]):
-            return None  # a call that ran part of the module: its other units would plan as free of compute
         if self._measured_plan is not None and self._measured_plan[0] is cal:
             return self._measured_plan[1]  # one calibration per engine: planned once
         self._measured_plan = (cal, self._plan_measured(cal))
@@ -416,10 +414,8 @@ class StreamingEngine:
         children predict a step 3 % faster, as ``plan.choose`` does with its prior. ``None`` when
         ``measured_plan`` would be (no calibration yet, nothing streamed, a store with a disk), and
         when the calibration call did not run every unit to its end (another entry point, an error)."""
-        cal = self.scheduler.calibration
-        if cal is None or cal.end is None or not self.streamed or self.store.sim_args():
-            return None
-        if not cal.covers([u.index for u in self.units]):
+        cal = self._usable_calibration()
+        if cal is None:
             return None
         measured = cal.resolve(len(self.units))
         best = self._best_variant(measured, budget)
@@ -429,6 +425,26 @@ class StreamingEngine:
         if block is not None and not best[0] < plan.CHILD_GAIN * block[0]:
             return block[1]
         return best[2]
+
+    def _usable_calibration(self) -> Any:
+        """The calibration call, if there is one to plan with: it ran, units stream, the store has no
+        disk (its simulation is the RAM cache's), and it ran every unit to its end (a call through
+        another entry point, or an interrupted one, would plan the others as free of compute)."""
+        cal = self.scheduler.calibration
+        if cal is None or cal.end is None or not self.streamed or self.store.sim_args():
+            return None
+        return cal if cal.covers([u.index for u in self.units]) else None
+
+    def _native_plan(self, unit_bytes: list[int], budget: int | None, unit_compute_s: list[float],
+                     link_bytes: list[int] | None = None) -> Any:
+        """``_native.plan`` with this engine's base, link, preset and reserve, at ``budget``."""
+        return _native.plan(
+            unit_bytes, base_bytes=self.unit_plan.base_bytes,
+            budget_bytes=None if budget is None else budget - self.reserve_bytes,
+            link_bytes_per_s=self.link_bytes_per_s,
+            compute_bytes_per_s=bandwidth.compute_bytes_per_s(self.device, self.link_bytes_per_s),
+            min_slots=self.preset.min_slots, max_slots=self.preset.max_slots,
+            unit_compute_s=unit_compute_s, link_bytes=link_bytes)
 
     def _block_variant(self, unit_compute_s: list[float], budget: int | None) -> tuple[float, plan.Measured] | None:
         """Child units measured, ``units="auto"``, no codec: each block's compute as the sum of its
@@ -454,12 +470,7 @@ class StreamingEngine:
         if not all(seen) or len(blocks) == len(self.units):
             return None
         try:
-            native = _native.plan(
-                sizes, base_bytes=self.unit_plan.base_bytes,
-                budget_bytes=None if budget is None else budget - self.reserve_bytes,
-                link_bytes_per_s=self.link_bytes_per_s,
-                compute_bytes_per_s=bandwidth.compute_bytes_per_s(self.device, self.link_bytes_per_s),
-                min_slots=self.preset.min_slots, max_slots=self.preset.max_slots, unit_compute_s=compute)
+            native = self._native_plan(sizes, budget, compute)
         except DdoError:
             return None
         return native.predicted_step_s, plan.Measured("block", compute)
@@ -467,19 +478,13 @@ class StreamingEngine:
     def _best_variant(self, measured: dict[str, Any], budget: int | None) -> tuple[float, Any, plan.Measured] | None:
         """The measured variant (codec variants: which units to code) the planner predicts fastest at
         ``budget``: (predicted step, native plan, variant), or ``None`` when none fits."""
-        budget = None if budget is None else budget - self.reserve_bytes
         variants = [plan.Measured(self.granularity, measured["unit_compute_s"], self.unit_plan.link_bytes)]
         if hasattr(self.store, "codec_variants"):
             variants = self.store.codec_variants(measured["unit_compute_s"]) or variants
         best: tuple[float, Any, plan.Measured] | None = None
         for v in variants:
             try:
-                native = _native.plan(
-                    self.unit_bytes, base_bytes=self.unit_plan.base_bytes, budget_bytes=budget,
-                    link_bytes_per_s=self.link_bytes_per_s,
-                    compute_bytes_per_s=bandwidth.compute_bytes_per_s(self.device, self.link_bytes_per_s),
-                    min_slots=self.preset.min_slots, max_slots=self.preset.max_slots,
-                    unit_compute_s=v.unit_compute_s, link_bytes=v.link_bytes)
+                native = self._native_plan(self.unit_bytes, budget, v.unit_compute_s, v.link_bytes)
             except DdoError:
                 continue
             if best is None or native.predicted_step_s < best[0] - 1e-12:
