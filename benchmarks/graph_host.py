@@ -6,7 +6,10 @@ after each synchronize, then profiled with ``cProfile`` over the same calls:
     python -m benchmarks.graph_host --budget min --out "$OUT/graph-host"
 
 Prints and writes (``graph_host.json``, ``graph_host.txt``): the median host seconds of a call, the
-runner's own (``report()["graph"]``), the graph launch alone, and the profile's top entries. Needs CUDA.
+runner's own (``report()["graph"]``), the graph launch alone, the profile's top entries, and each
+per-call check timed alone (``checks``: the full hook scan against the watch of its dicts, the
+resident tensors' addresses by a ``data_ptr`` loop against torch's one call, the current stream as a
+``torch.cuda.Stream`` against its raw handle). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             model(**x)
             prof.disable()
             sync()
+    checks = _checks(model, handle, dev)
     section = handle.report()["graph"]
     plan = handle.report()["plan"]
     handle.remove()
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "modules": sum(1 for _ in model.modules()), "parameters": sum(1 for _ in model.parameters()),
            "plan": {k: plan.get(k) for k in ("slots", "streamed_bytes", "resident_bytes", "units")},
-           "host_call_s": statistics.median(host), "host_call_min_s": min(host), "graph": section}
+           "host_call_s": statistics.median(host), "host_call_min_s": min(host), "checks": checks, "graph": section}
     print(json.dumps({k: v for k, v in doc.items() if k != "graph"}, indent=1))
     print(json.dumps(section, indent=1))
     print(text.getvalue())
@@ -82,6 +87,43 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "graph_host.json").write_text(json.dumps(doc, indent=1))
         (args.out / "graph_host.txt").write_text(text.getvalue())
     return 0
+
+
+def _median_s(fn: Any, n: int = 500) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _checks(model: Any, handle: Any, dev: Any) -> dict[str, float]:
+    """Each per-call check of a replay timed alone, median seconds."""
+    import torch
+
+    from ddo_blocks import _native
+    from ddo_blocks.streaming.graph import Addresses
+
+    runner = handle.engine.scheduler.graph
+    scan = handle.engine.scheduler.hook_scan
+    dicts = scan._dicts
+    watch = _native.TreeWatch.snapshot(dicts)
+    tensors = runner._params.tensors if runner is not None else list(model.parameters())
+    addresses = Addresses(tensors)
+    out = {
+        "tensors_checked": len(tensors),
+        "full_scan_s": _median_s(lambda: _native.scan_module_dicts(dicts)),
+        "watched_dicts": len(watch) if watch is not None else 0,
+        "watch_check_s": _median_s(watch.unchanged) if watch is not None else None,
+        "addresses_loop_s": _median_s(lambda: [t.data_ptr() for t in tensors]),
+        "addresses_torch_s": _median_s(addresses.same),
+    }
+    if dev.type == "cuda":
+        out["current_stream_s"] = _median_s(lambda: torch.cuda.current_stream(dev).cuda_stream)
+        out["raw_stream_s"] = _median_s(lambda: torch._C._cuda_getCurrentRawStream(dev.index))
+    return out
 
 
 if __name__ == "__main__":

@@ -315,6 +315,17 @@ def scan_module_dicts(
     ``found`` being ``(index, _diffusers_hook or None, _hf_hook or None)`` for each module with either,
     ``tree`` a hash of each instance's own ``forward`` and of what each module's ``_parameters``,
     ``_buffers`` and ``_modules`` hold, by name and value identity."""
+class TreeWatch:
+    """Every dict a scan of modules reads, with CPython's version tag of each (``guards.HookScan``)."""
+
+    @staticmethod
+    def snapshot(dicts: list[dict[str, Any]]) -> TreeWatch | None:
+        """The watch of modules' ``__dict__``s and of the ``_parameters``, ``_buffers``, ``_modules``
+        and hook dicts they hold; ``None`` where the tags do not work or one of those is not a dict."""
+    def unchanged(self) -> bool:
+        """Whether no watched dict was written since the snapshot."""
+    def __len__(self) -> int: ...
+
 def plan(
     unit_bytes: Sequence[int],
     *,

@@ -4,8 +4,10 @@ checks and a CUDA graph's key read, against the Python walks it replaced."""
 from __future__ import annotations
 
 import collections
+import sys
 import types
 
+import pytest
 import torch
 from torch import nn
 
@@ -137,3 +139,93 @@ def test_the_tree_hash_sees_tensors_and_layers_put_in_place_by_any_way():
         change()
         seen.append(tree())
         assert seen[-1] != seen[-2], change
+
+
+def _watchable() -> bool:
+    """Where CPython's dict version tags are known to work (3.11 to 3.13; the self-test decides
+    elsewhere, and on a build where it fails every call scans)."""
+    return sys.implementation.name == "cpython" and (3, 11) <= sys.version_info[:2] <= (3, 13)
+
+
+@pytest.mark.skipif(not _watchable(), reason="CPython 3.11-3.13 dict version tags")
+def test_the_watch_sees_every_write_to_what_the_scan_reads_and_nothing_else():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.LayerNorm(4)))
+    modules = list(model.modules())
+
+    def watch():
+        w = _native.TreeWatch.snapshot([m.__dict__ for m in modules])
+        assert w is not None and len(w) == 6 * len(modules)  # each __dict__ and its five dicts
+        return w
+
+    w = watch()
+    with torch.no_grad():
+        model(torch.ones(2, 4))  # a forward, reads and walks change nothing
+    _ = (model[0].weight, list(model.parameters()), model.state_dict(), repr(model), model.training)
+    model[0].weight.data = torch.zeros(4, 4)  # the same tensor object: the addresses' check sees memory
+    assert w.unchanged()
+    writes = [
+        lambda: setattr(model[0], "forward", lambda x: x),
+        lambda: object.__setattr__(model[0], "_extra", 1),
+        lambda: delattr(model[0], "_extra"),
+        lambda: setattr(model[0], "weight", torch.nn.Parameter(torch.zeros(4, 4))),
+        lambda: setattr(model[0], "bias", None),
+        lambda: model[0]._parameters.__setitem__("bias", torch.nn.Parameter(torch.ones(4))),
+        lambda: model.register_buffer("scale", torch.ones(1)),
+        lambda: model._buffers.pop("scale"),
+        lambda: model[1].append(torch.nn.Identity()),
+        lambda: model[1].__delitem__(1),  # ModuleList/Sequential deletes replace _modules
+        lambda: model[1][0].register_forward_pre_hook(lambda m, a: None),
+        lambda: model[1][0]._forward_pre_hooks.clear(),
+        lambda: model[0].__dict__.update(_other=2),
+        lambda: model.train(False),  # `training` is in the __dict__ too: a key's business, seen as a write
+    ]
+    for write in writes:
+        write()
+        assert not w.unchanged(), write
+        w = watch()
+        assert w.unchanged()
+
+
+@pytest.mark.skipif(not _watchable(), reason="CPython 3.11-3.13 dict version tags")
+def test_the_scan_is_reused_while_the_watch_holds_and_made_again_after_a_write(monkeypatch):
+    model = _tree()
+    modules = list(model.modules())
+    scans = []
+    real = _native.scan_module_dicts
+    monkeypatch.setattr(_native, "scan_module_dicts", lambda d: scans.append(1) or real(d))
+    scan = guards.HookScan(model, modules)
+    first = scan.scan()
+    assert scan.scan() == first and scan.scan() == first and len(scans) == 1
+    handle = modules[4].register_forward_hook(lambda m, a, o: None)
+    assert scan.scan()[0][0] == 1 and len(scans) == 2
+    handle.remove()
+    assert scan.scan()[0][:2] == (0, -1) and len(scans) == 3
+
+    class Owned:  # our execution-device hook: kept by identity in a watched __dict__
+        _ddo_owned = True
+
+    modules[1]._hf_hook = Owned()
+    scan.scan(), scan.scan()
+    assert len(scans) == 4
+
+    class Registry:  # a diffusers registry keeps its hooks in objects no watch covers: every call scans
+        hooks: dict = {}
+
+        def get_hook(self, name):
+            return None
+
+    modules[3]._diffusers_hook = Registry()
+    scan.scan(), scan.scan()
+    assert len(scans) == 6
+    Registry.hooks = {"first_block_cache": object()}
+    assert scan.scan()[1][1] is not None and "first_block_cache" in scan.scan()[1][1]
+
+
+def test_a_hook_mapping_that_is_not_a_dict_is_never_watched():
+    model = _tree()
+    modules = list(model.modules())
+    modules[2].__dict__["_forward_pre_hooks"] = types.MappingProxyType({})
+    assert _native.TreeWatch.snapshot([m.__dict__ for m in modules]) is None
+    scan = guards.HookScan(model, modules)
+    scan.scan()
+    assert scan._kept is None

@@ -181,12 +181,41 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Mo
 
 _PROCESSOR = operator.attrgetter("processor")
 
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
-def _module_state(torch_hooks: tuple[int, int, int], params: list[torch.Tensor], processors: list[nn.Module]) -> tuple:
+
+class Addresses:
+    """The memory of the tensors a graph reads where they are (the resident parameters and buffers):
+    their addresses when listed, checked every call in one call into torch
+    (``torch._C._tensors_data_ptrs_at_indices_equal``, the check of torch's own cudagraph trees; a
+    loop over ``data_ptr`` where torch lacks it), and a generation that moves when one moved (a
+    ``.data`` or ``set_`` put other memory in place; the tensor objects themselves are the tree
+    hash's business)."""
+
+    def __init__(self, tensors: list[torch.Tensor], generation: int = 0):
+        self.tensors = tensors
+        self.ptrs = [t.data_ptr() for t in tensors]
+        self.indices = list(range(len(tensors)))
+        self.generation = generation
+
+    def same(self) -> bool:
+        if _ptrs_equal is not None:
+            return bool(_ptrs_equal(self.tensors, self.ptrs, self.indices))
+        return self.ptrs == [t.data_ptr() for t in self.tensors]
+
+    def check(self) -> int:
+        """The generation, moved on (and the addresses taken again) if any address changed."""
+        if not self.same():
+            self.ptrs = [t.data_ptr() for t in self.tensors]
+            self.generation += 1
+        return self.generation
+
+
+def _module_state(torch_hooks: tuple[int, int, int], addresses: Addresses, processors: list[nn.Module]) -> tuple:
     """What of the module a graph bakes in and a call could change: the forward hooks on every module
-    (their count and the newest hook's id) and the tree's hash (``guards.HookScan``), each resident
-    parameter's and buffer's memory, each attention processor's identity."""
-    return (torch_hooks, tuple(map(torch.Tensor.data_ptr, params)), tuple(map(id, map(_PROCESSOR, processors))))
+    (their count and the newest hook's id) and the tree's hash (``guards.HookScan``), the resident
+    parameters' and buffers' memory (:class:`Addresses`), each attention processor's identity."""
+    return (torch_hooks, addresses.check(), tuple(map(id, map(_PROCESSOR, processors))))
 
 
 class GraphRunner:
@@ -217,7 +246,7 @@ class GraphRunner:
         """Eager calls in a row during which the module changed its own tree."""
         self._forwards: list[Any] = []
         self._rebound = {id(p) for u in scheduler.streamed for _, p in u.params}
-        self._params = self._resident_tensors()
+        self._params = Addresses(self._resident_tensors())
         """The parameters and buffers whose memory the key holds: the resident ones (a streamed one is
         pointed at its slot by the engine, eagerly as in the graph, whatever it was pointed at)."""
         self._processors = [m for m in scheduler.modules if hasattr(m, "processor")]  # listed at install
@@ -233,7 +262,7 @@ class GraphRunner:
         and says why graphs go off for good if its layers changed (a submodule added, removed or
         swapped: the offload does not manage it)."""
         self._tree = tree  # the first call too: the tree may have changed since the offload
-        self._params = self._resident_tensors()
+        self._params = Addresses(self._resident_tensors(), self._params.generation + 1)
         # held, so that a replaced forward's address is never reused by the next one
         self._forwards = [m.__dict__.get("forward") for m in self.scheduler.modules]
         if any(a is not b for a, b in itertools.zip_longest(self.scheduler.module.modules(), self.scheduler.modules)):

@@ -140,14 +140,21 @@ class HookScan:
     their ``__dict__``s (listed once) in Rust (``_native.scan_module_dicts``): the forward hooks'
     count and newest id (the hook dicts are looked up every call: code may replace them,
     ``m._forward_hooks = OrderedDict()``), and any diffusers registry or accelerate hook, which are
-    then looked at here. 0.07 instead of 0.31 ms a call (the two walks) for Flux's 1279 modules on a
-    2-core EPYC. What it finds is the same as the walks'; when a hook of interest is there, the walk
-    runs to name it."""
+    then looked at here. What it finds is the same as the walks'; when a hook of interest is there,
+    the walk runs to name it.
+
+    A scan's result is kept with a ``_native.TreeWatch`` of every dict it read, taken before it: a
+    call whose dicts all kept their CPython version tags gets the kept result without a scan (any
+    write to one of them, by any way, moves its tag). Where the tags do not work, where a hook
+    dict is not a dict, or where a diffusers registry sits in the tree (its hooks live in objects
+    no watch covers), every call scans."""
 
     def __init__(self, module: nn.Module, modules: list[nn.Module]):
         self.module = module
         self.modules = modules
         self._dicts = [m.__dict__ for m in modules]
+        self._kept: tuple[Any, tuple] | None = None
+        """``(watch, result)`` of the last scan that a watch can stand for."""
 
     def scan(self) -> tuple[tuple[int, int, int], tuple[str | None, str | None]]:
         """``((hook count, newest hook id, tree), hooks_on(...))``: the forward hooks on every module
@@ -155,12 +162,20 @@ class HookScan:
         a hash of every module's parameters, buffers and submodules by identity (``tree``: a tensor
         or a layer put in another's place, removed or added changes it), and :func:`hooks_on`'s
         ``(offloading on top, stateful hooks)``."""
+        kept = self._kept
+        if kept is not None and kept[0].unchanged():
+            return kept[1]
+        watch = _native.TreeWatch.snapshot(self._dicts)  # before the scan: a write after it is seen next call
         count, newest, found, tree = _native.scan_module_dicts(self._dicts)
         # a registry with no hooks left finds nothing; one without a ``hooks`` dict is walked
         registries = any(r is not None and getattr(r, "hooks", True) for _, r, _ in found)
         foreign = any(h is not None and not getattr(h, "_ddo_owned", False) for _, _, h in found)
         on = hooks_on(self.module, self.modules) if registries or foreign else (None, None)
-        return (count, newest, tree), on
+        result = (count, newest, tree), on
+        # our own execution-device hook is kept by identity in a watched ``__dict__``; a registry is not
+        stable = watch is not None and not foreign and all(r is None for _, r, _ in found)
+        self._kept = (watch, result) if stable else None
+        return result
 
     def hooks_on(self) -> tuple[str | None, str | None]:
         """:func:`hooks_on` of the component: ``(offloading on top, stateful hooks)``."""

@@ -103,7 +103,13 @@ def _any_requires_grad(tree: Any) -> bool:
 
 
 def compute_stream(device: torch.device) -> Callable[[], int]:
+    """The handle of ``device``'s current stream, as a function (called several times a call: the
+    raw handle from torch skips building a ``torch.cuda.Stream``, 5-25 us apiece on the H200's host)."""
     if device.type == "cuda":
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None and device.index is not None:
+            index = device.index
+            return lambda: raw(index)
         return lambda: torch.cuda.current_stream(device).cuda_stream
     return lambda: 0
 
