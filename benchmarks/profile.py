@@ -80,15 +80,42 @@ def analyse(trace: dict[str, Any], call_windows: list[tuple[float, float]]) -> l
             "compute_idle_link_busy_s": wait_on_copy / 1e6,
             "idle_both_s": max(0.0, idle_c - wait_on_copy) / 1e6,
             "decode_busy_s": _length(decodes, lo, hi) / 1e6,
+            **_link_detail(events, copies, compute, decodes, lo, hi),
         })
     return rows
+
+
+def _link_detail(events: list[dict[str, Any]], copies: list[tuple[float, float]], compute: list[tuple[float, float]],
+                 decodes: list[tuple[float, float]], lo: float, hi: float) -> dict[str, Any]:
+    """Where the link's time goes in one call: its copies by size (count, bytes, busy time, GB/s
+    while busy) and its idle gaps (count, total, and what ran on the SMs during them)."""
+    sizes: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "gpu_memcpy" or not lo <= float(e["ts"]) < hi:
+            continue
+        nbytes = float((e.get("args") or {}).get("bytes", 0))
+        band = "<1MiB" if nbytes < 1 << 20 else "1-8MiB" if nbytes < 8 << 20 else "8-64MiB" if nbytes < 64 << 20 else ">=64MiB"
+        row = sizes.setdefault(band, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += nbytes
+        row[2] += float(e.get("dur", 0))
+    gaps = [(a, b) for (_, a), (b, _) in zip(copies, copies[1:]) if b > a and lo <= a and b <= hi]
+    big = [(a, b) for a, b in gaps if b - a >= 10.0]
+    return {
+        "copies_by_size": {k: {"count": int(v[0]), "gib": v[1] / (1 << 30), "busy_s": v[2] / 1e6,
+                               "gb_per_s": v[1] / v[2] / 1e3 if v[2] else None} for k, v in sorted(sizes.items())},
+        "link_gaps": {"count": len(gaps), "total_s": sum(b - a for a, b in gaps) / 1e6,
+                      "over_10us": len(big), "over_10us_s": sum(b - a for a, b in big) / 1e6,
+                      "over_10us_compute_s": sum(_length(compute, a, b) for a, b in big) / 1e6,
+                      "over_10us_decode_s": sum(_length(decodes, a, b) for a, b in big) / 1e6},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--budget", default="12GiB")
+    p.add_argument("--budget", default="12GiB", help="a size, or 'min'")
     p.add_argument("--preset", default="one_shot_fast")
     p.add_argument("--units", default="auto")
     p.add_argument("--codec", default="off", help="off, fixed (the weights coded at 12 bits, decoded on the GPU) or tiered "
@@ -112,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     side, text = (8, 12) if args.tiny else (64, 512)
     x = flux_inputs(model, height=side, width=side, text_len=text, device=dev)
     weights = sum(q.numel() * q.element_size() for q in model.parameters())
-    budget = parse_size(args.budget, weights, bare_unit="B")  # vram_budget's own reading
+    budget = "min" if args.budget == "min" else parse_size(args.budget, weights, bare_unit="B")  # vram_budget's reading
     codec = {"codec": args.codec} if args.codec != "off" else {}
     handle = ddo_blocks.offload(model, preset=args.preset, vram_budget=budget, device=dev, units=args.units, **codec)
 
