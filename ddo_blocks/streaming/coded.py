@@ -194,6 +194,8 @@ class CodedSlabs(InMemoryStore):
         self._coded: set[int] = set()  # streamed units whose parameters are placeholders
         self._ids: list[int] = []
         self.landing: torch.Tensor | None = None
+        self.link_call_bytes = 0
+        """Bytes a call sends for the coded units (the transport's count, set at attach)."""
         self.decode_stream: Any = None
         self.decode_bytes_per_s: float | None = None
         self.encode_s = 0.0
@@ -296,6 +298,8 @@ class CodedSlabs(InMemoryStore):
                 transport.set_decoder(self.decode_stream.cuda_stream, [base + k * lb for k in range(n)], lb)
                 self.decode_bytes_per_s = _check_decoder(e.device, self.codec, self.units, self.buffers)
             self._ids = [transport.add_coded_unit(c, buf.data_ptr()) for c, (_, buf) in zip(self.units, self.buffers)]
+            # what a call sends: on the GPU a few raw bytes between chunks go along in their batches
+            self.link_call_bytes = sum(map(transport.coded_link_bytes, self._ids))
         except BaseException:
             transport.close()
             raise
@@ -415,13 +419,13 @@ class CodedSlabs(InMemoryStore):
                 "ratio": self.host_bytes / self.raw_bytes if self.raw_bytes else None,
                 "coded_bytes": 2 * coded_values,
                 "escapes": sum(c.escapes for c in self.units),
-                "link_call_bytes": self.host_bytes,
+                "link_call_bytes": self.link_call_bytes,
                 "landing_buffers": self.landing_buffers if self.landing is not None else 0,
                 "landing_bytes": self.device_bytes,
                 "decode_gb_s": self.decode_bytes_per_s / 1e9 if self.decode_bytes_per_s else None,
                 "decode_s_per_call": decode_s,
                 "uncompressed_transfer_bound_s": e.streamed_bytes / link if link else None,
-                "compressed_transfer_bound_s": self.host_bytes / link if link else None,
+                "compressed_transfer_bound_s": self.link_call_bytes / link if link else None,
             },
         }
 

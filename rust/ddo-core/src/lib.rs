@@ -10,7 +10,8 @@
 //!   how many slots stream the rest under a VRAM budget, scored by a
 //!   discrete-event model of a copy stream and a compute stream;
 //! - [`codec`]: the lossless fixed-rate (12-bit) code for bf16 weights, the
-//!   reference encoder and decoder;
+//!   reference encoder and decoder; [`landing`]: how a coded unit's chunks
+//!   are batched into the decode ring's landing buffers;
 //! - [`cache`]: the NVMe route's RAM cache (which streamed units stay in
 //!   host RAM, the rest re-read from disk every pass), and [`reads`]: the
 //!   coalesced, aligned read plan of a unit streamed from files.
@@ -27,6 +28,7 @@ pub mod codec;
 pub mod dtype;
 pub mod error;
 pub mod index;
+pub mod landing;
 pub mod layout;
 pub mod planner;
 pub mod reads;

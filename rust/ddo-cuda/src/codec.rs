@@ -26,6 +26,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use ddo_core::codec::{self, CodedUnit, PieceKind};
+use ddo_core::landing::Batch;
 use ddo_core::tiered;
 use rayon::prelude::*;
 
@@ -647,6 +648,9 @@ pub(crate) struct DecodeRing {
     tiered: OnceLock<Kernel>,
     landing: Vec<usize>,
     landing_bytes: usize,
+    /// Most landing buffers one batch of chunks fills (`ddo_core::landing`): half the ring where
+    /// its buffers are consecutive in memory (two batches in flight), else one.
+    batch_buffers: usize,
     landed: Vec<Event>,
     decoded: Vec<Event>,
     /// One event: the copy stream after a job's copies, which the decode stream waits for.
@@ -689,6 +693,14 @@ impl DecodeRing {
             ));
         }
         let kernel = decode_kernel(ordinal)?;
+        let consecutive = landing
+            .windows(2)
+            .all(|w| w[0].checked_add(landing_bytes) == Some(w[1]));
+        let batch_buffers = if consecutive {
+            (landing.len() / 2).max(1)
+        } else {
+            1
+        };
         let mk = |n: usize| Event::many(n, errors);
         Ok(Self {
             ordinal,
@@ -700,6 +712,7 @@ impl DecodeRing {
             done: mk(1)?,
             landing,
             landing_bytes,
+            batch_buffers,
             next: Mutex::new(0),
             errors: errors.clone(),
         })
@@ -707,6 +720,12 @@ impl DecodeRing {
 
     pub fn landing_bytes(&self) -> usize {
         self.landing_bytes
+    }
+
+    /// The batches of `unit`'s coded chunks for this ring.
+    pub fn batches(&self, unit: &CodedUnit) -> Result<Vec<Batch>> {
+        ddo_core::landing::landing_batches(unit, self.landing_bytes, self.batch_buffers)
+            .map_err(|e| CudaError::InvalidArgument(e.to_string()))
     }
 
     /// The two-tier decode kernel of the ring's device, compiled at its first use.
@@ -733,11 +752,14 @@ impl Drop for DecodeRing {
     }
 }
 
-/// A coded unit registered with a transport: its layout and its host buffer.
+/// A coded unit registered with a transport: its layout, its host buffer, and on the GPU how its
+/// chunks cross into the landing ring (`ddo_core::landing`).
 #[derive(Debug)]
 pub(crate) struct HostCodedUnit {
     pub unit: CodedUnit,
     pub host: usize,
+    /// The batches of its coded chunks for the transport's ring (empty on the CPU target).
+    pub batches: Vec<Batch>,
 }
 
 /// The post-copy stage of a coded fetch: decode every coded chunk into the slot. On the GPU the
@@ -777,62 +799,78 @@ impl DecodeStage {
         wait_slot: Option<&dyn Fn(Stream) -> Result<()>>,
     ) -> Result<bool> {
         let host = self.unit.host;
+        let pieces = &self.unit.unit.pieces;
+        let n = ring.landing.len();
         let mut next = ring.next.lock().unwrap_or_else(|e| e.into_inner());
-        let mut any = false;
-        for p in &self.unit.unit.pieces {
-            let PieceKind::Coded {
-                values, escapes, ..
-            } = p.kind
-            else {
-                continue;
-            };
-            if p.len > ring.landing_bytes {
+        for (i, batch) in self.unit.batches.iter().enumerate() {
+            if batch.buffers > n || batch.len > batch.buffers * ring.landing_bytes {
                 return Err(CudaError::InvalidArgument(format!(
-                    "a coded chunk of {} bytes does not fit the {}-byte landing buffers",
-                    p.len, ring.landing_bytes
+                    "a batch of {} bytes in {} landing buffers does not fit the ring of {n} of {} bytes",
+                    batch.len, batch.buffers, ring.landing_bytes
                 )));
             }
-            if !any {
+            if i == 0 {
                 if let Some(wait) = wait_slot {
                     wait(ring.decode_stream)?; // no decode writes the slot before its release
                 }
             }
+            if *next + batch.buffers > n {
+                *next = 0; // a batch's buffers are consecutive: the ring's tail waits for the next turn
+            }
             let k = *next;
-            *next = (k + 1) % ring.landing.len();
-            ring.decoded[k].wait_on(stream)?;
+            *next = (k + batch.buffers) % n;
+            let used = k..k + batch.buffers;
+            for b in used.clone() {
+                ring.decoded[b].wait_on(stream)?;
+            }
             // SAFETY: the fetch's contract makes the host range live and unmodified until the copy
-            // completed; the landing buffer is the ring's, free once decoded[k] completed.
-            unsafe { h2d_async(ring.landing[k], host + p.src, p.len, stream)? };
+            // completed (the batch lies inside the unit's host buffer: `add_coded_unit` checked
+            // its pieces); the landing buffers k.. are the ring's, consecutive in its one
+            // allocation, and free once their decoded events completed.
+            unsafe { h2d_async(ring.landing[k], host + batch.src, batch.len, stream)? };
             ring.landed[k].record(stream)?;
             ring.landed[k].wait_on(ring.decode_stream)?;
-            // SAFETY: the landing buffer holds the chunk once landed[k] completed; the output is
-            // the chunk's range of the slot, 16-byte aligned (the unit layout aligns tensors to
-            // 256 bytes and chunks to 16 MiB), free since the decode stream's (early) or the copy
-            // stream's (through landed[k]) wait for the slot's last consumer.
-            unsafe {
-                match p.kind.tiered_counts() {
-                    None => launch_decode(
-                        &ring.kernel,
-                        ring.decode_stream,
-                        ring.landing[k],
-                        base + p.dst,
-                        values,
-                        escapes,
-                    )?,
-                    Some(counts) => crate::tiered::launch_decode(
-                        ring.tiered()?,
-                        ring.decode_stream,
-                        ring.landing[k],
-                        base + p.dst,
-                        values,
-                        counts,
-                    )?,
-                }
-            };
-            ring.decoded[k].record(ring.decode_stream)?;
-            any = true;
+            for &j in &batch.pieces {
+                let p = &pieces[j];
+                let PieceKind::Coded {
+                    values, escapes, ..
+                } = p.kind
+                else {
+                    continue;
+                };
+                let src = ring.landing[k] + (p.src - batch.src);
+                // SAFETY: the landing buffers hold the batch once landed[k] completed, the chunk at
+                // its offset in it (16-byte aligned: pieces are 64-byte aligned in the host buffer);
+                // the output is the chunk's range of the slot, 16-byte aligned (the unit layout
+                // aligns tensors to 256 bytes and chunks to 16 MiB), free since the decode
+                // stream's (early) or the copy stream's (through landed[k]) wait for the slot's
+                // last consumer.
+                unsafe {
+                    match p.kind.tiered_counts() {
+                        None => launch_decode(
+                            &ring.kernel,
+                            ring.decode_stream,
+                            src,
+                            base + p.dst,
+                            values,
+                            escapes,
+                        )?,
+                        Some(counts) => crate::tiered::launch_decode(
+                            ring.tiered()?,
+                            ring.decode_stream,
+                            src,
+                            base + p.dst,
+                            values,
+                            counts,
+                        )?,
+                    }
+                };
+            }
+            for b in used {
+                ring.decoded[b].record(ring.decode_stream)?;
+            }
         }
-        Ok(any)
+        Ok(!self.unit.batches.is_empty())
     }
 }
 

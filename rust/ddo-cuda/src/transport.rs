@@ -331,9 +331,31 @@ impl Transport {
                 }
             }
         }
-        self.coded_units
-            .push(Arc::new(HostCodedUnit { unit, host }));
+        let batches = match &self.decoder {
+            Some(ring) => ring.batches(&unit)?,
+            None => Vec::new(),
+        };
+        self.coded_units.push(Arc::new(HostCodedUnit {
+            unit,
+            host,
+            batches,
+        }));
         Ok(self.coded_units.len() - 1)
+    }
+
+    /// Bytes one fetch of coded unit `unit` sends over the link: its raw pieces and, on the GPU,
+    /// its batches of chunks (`ddo_core::landing::link_bytes`); on the CPU target its host buffer.
+    pub fn coded_link_bytes(&self, unit: usize) -> Result<usize> {
+        let cu = self.coded_units.get(unit).ok_or_else(|| {
+            CudaError::InvalidArgument(format!(
+                "coded unit {unit} out of range ({} registered)",
+                self.coded_units.len()
+            ))
+        })?;
+        Ok(match self.target {
+            Target::Cuda { .. } => ddo_core::landing::link_bytes(&cu.unit, &cu.batches),
+            Target::Cpu => cu.unit.nbytes,
+        })
     }
 
     /// Starts filling `slot` (at address `dst`) with coded unit `unit`: its raw pieces copied
@@ -367,7 +389,8 @@ impl Transport {
             .unwrap_or(0);
         crate::host::check_host_range("coded fetch destination", dst, span)?;
         self.stats.fetches += 1;
-        self.stats.bytes = self.stats.bytes.saturating_add(cu.unit.nbytes as u64);
+        let sent = self.coded_link_bytes(unit)?;
+        self.stats.bytes = self.stats.bytes.saturating_add(sent as u64);
         let copies: Vec<Span> = cu
             .unit
             .pieces

@@ -257,6 +257,11 @@ impl Transport {
             .map_err(cuda_err)
     }
 
+    /// Bytes one fetch of coded unit `unit` sends over the link (its batches of chunks included).
+    fn coded_link_bytes(&mut self, unit: usize) -> PyResult<usize> {
+        self.get()?.coded_link_bytes(unit).map_err(cuda_err)
+    }
+
     /// Starts filling `slot` at `dst` with coded unit `unit` (copies, then decode).
     fn fetch_coded(
         &mut self,
