@@ -44,6 +44,7 @@ def test_replays_equal_the_resident_forward(budget_name):
     states = k // math.gcd(n, k) if n else 1
     assert g["status"] == "replaying", g
     assert g["captures"] == states and g["replays"] == 8 - 3, g
+    assert g["device_launch"] == "yes", g  # the later replays by the graphs' device-launch executables
     assert g["host_replay_s"] < 0.005, g  # no per-unit Python on a replay
     timeline = rep["timeline"]
     assert len(timeline) == 8
@@ -134,6 +135,35 @@ def test_a_model_that_syncs_with_the_host_falls_back_to_eager():
     first = torch.randn(8, device="cuda")
     torch.cuda.set_rng_state(rng)
     assert torch.equal(torch.randn(8, device="cuda"), first)
+
+
+class _Noisy(nn.Module):
+    """Draws random numbers in its forward: a graph of it replays by torch's launch, which advances
+    the generator, never by device launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) + torch.rand_like(x)
+        return x
+
+
+def test_a_graph_that_draws_random_numbers_replays_by_torch_and_draws_anew():
+    torch.manual_seed(0)
+    model = _Noisy().eval()
+    x = torch.randn(4, 256, device="cuda")
+    handle = ddo_blocks.offload(model, vram_budget=ddo_blocks.minimum_budget(model), device="cuda", graph=True)
+    with torch.no_grad():
+        outs = [model(x) for _ in range(8)]
+    g = handle.report()["graph"]
+    assert g["status"] == "replaying" and g["replays"] >= 4, g
+    assert g["device_launch"].startswith("no: the graph draws random numbers"), g
+    # every replay drew new numbers, as the eager calls did
+    assert all(not torch.equal(a, b) for a, b in zip(outs, outs[1:]))
+    handle.remove()
 
 
 def test_graph_with_a_codec_or_a_staging_ring_runs_eagerly_and_says_why():

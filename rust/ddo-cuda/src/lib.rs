@@ -17,6 +17,7 @@ mod deferred;
 mod driver;
 mod error;
 mod event;
+mod graph;
 mod host;
 mod job;
 pub mod kernel;
@@ -34,6 +35,7 @@ pub use driver::{
 };
 pub use error::{CudaError, Result};
 pub use event::Event;
+pub use graph::GraphExec;
 pub use host::{
     copy_host, copy_host_many, read_fd_into, read_file_into, HostBuffer, HostRegistration,
 };

@@ -4,6 +4,7 @@
 
 mod codec;
 mod errors;
+mod graph;
 mod hooks;
 mod index;
 mod kernel;
@@ -18,6 +19,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     hooks::register(m)?;
+    graph::register(m)?;
     planning::register(m)?;
     index::register(m)?;
     transport::register(m)?;
