@@ -99,6 +99,26 @@ def test_new_shapes_capture_again_and_eager_calls_between_stay_exact():
     handle.remove()
 
 
+def test_new_values_of_the_same_shapes_are_copied_in_dense_or_not():
+    """Replays with inputs of the same shapes and new values: dense inputs go in by device copies,
+    a strided one (a transposed view) through torch; each output is that input's resident one."""
+    model = medium_flux()
+    xs = [flux_inputs(model, height=16, width=16, text_len=32, seed=s, device="cuda") for s in (0, 5)]
+    for x in xs:  # the same strided layout for both: one key
+        h = x["hidden_states"]
+        x["hidden_states"] = h.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not x["hidden_states"].is_contiguous() and torch.equal(x["hidden_states"], h)
+    refs = [_resident_reference(model, x)[0] for x in xs]
+    handle = ddo_blocks.offload(model, vram_budget=budgets(model)["half"], device="cuda", graph=True)
+    with torch.no_grad():
+        outs = [(i, model(**xs[i])[0]) for i in (0, 1, 0, 0, 1, 0, 1, 1, 0)]
+    for i, out in outs:
+        assert torch.equal(out, refs[i]), i
+    g = handle.report()["graph"]
+    assert g["replays"] >= 4 and g["device_launch"] == "yes", g
+    handle.remove()
+
+
 class _Syncing(nn.Module):
     """Blocks with a host sync in the forward: a graph cannot capture ``.item()``."""
 
