@@ -267,19 +267,24 @@ class Addresses:
 
     def __init__(self, tensors: list[torch.Tensor], generation: int = 0):
         self.tensors = tensors
-        self.ptrs = [t.data_ptr() for t in tensors]
+        self.ptrs = self._read()
         self.indices = list(range(len(tensors)))
         self.generation = generation
+        # torch's check reads the C++ pointer: where a subclass answers data_ptr() otherwise, loop
+        self._fast = _ptrs_equal is not None and bool(_ptrs_equal(self.tensors, self.ptrs, self.indices))
+
+    def _read(self) -> list[int]:
+        return list(map(torch.Tensor.data_ptr, self.tensors))  # unbound: the tensor's own memory
 
     def same(self) -> bool:
-        if _ptrs_equal is not None:
+        if self._fast:
             return bool(_ptrs_equal(self.tensors, self.ptrs, self.indices))
-        return self.ptrs == [t.data_ptr() for t in self.tensors]
+        return self.ptrs == self._read()
 
     def check(self) -> int:
         """The generation, moved on (and the addresses taken again) if any address changed."""
         if not self.same():
-            self.ptrs = [t.data_ptr() for t in self.tensors]
+            self.ptrs = self._read()
             self.generation += 1
         return self.generation
 

@@ -13,11 +13,12 @@
 //! scans.
 
 use std::ffi::c_void;
-use std::sync::OnceLock;
 
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList};
+use pyo3::{PyTraverseError, PyVisit};
 
 /// Returns `(hook count, newest hook id or -1, found, tree)` where `found` lists, in module order,
 /// `(index, registry or None, hf hook or None)` for every module that has either attribute, and
@@ -134,10 +135,12 @@ fn version(d: &Bound<'_, PyDict>) -> u64 {
 /// Whether this interpreter's dicts carry a version tag where [`DictHead`] reads it, changed by
 /// every write (a new value for an existing key, a delete and the same insert again, an attribute
 /// set on an instance whose `__dict__` was made) and by nothing else, from one increasing counter.
-/// Checked once per process.
+/// Checked once per process (a lock that gives the GIL up while it waits: the self-test runs
+/// Python, which may switch threads). CPython 3.13 stores instance attributes in the object's
+/// inline values without moving the dict's tag, 3.14 moves no tag: the test fails there.
 fn versions_work(py: Python<'_>) -> bool {
-    static WORKS: OnceLock<bool> = OnceLock::new();
-    *WORKS.get_or_init(|| self_test(py).unwrap_or(false))
+    static WORKS: PyOnceLock<bool> = PyOnceLock::new();
+    *WORKS.get_or_init(py, || self_test(py).unwrap_or(false))
 }
 
 fn self_test(py: Python<'_>) -> PyResult<bool> {
@@ -172,7 +175,16 @@ fn self_test(py: Python<'_>) -> PyResult<bool> {
     let w2 = version(&inst);
     obj.setattr("b", 3)?;
     let w3 = version(&inst);
-    Ok(same && v1 < v2 && v2 < v3 && v3 < v4 && w1 < w2 && w2 < w3 && version(&inst) == w3)
+    obj.delattr("b")?;
+    let w4 = version(&inst);
+    Ok(same
+        && v1 < v2
+        && v2 < v3
+        && v3 < v4
+        && w1 < w2
+        && w2 < w3
+        && w3 < w4
+        && version(&inst) == w4)
 }
 
 /// Every dict a scan of some modules read, with its version tag taken before the scan: while no
@@ -217,6 +229,15 @@ impl TreeWatch {
         Ok(Some(TreeWatch {
             dicts: out.into_iter().map(|(v, d)| (d, v)).collect(),
         }))
+    }
+
+    /// The garbage collector sees the dicts held (a module's `__dict__` holds the offload's handle,
+    /// which holds this watch: without it that cycle would keep a dropped model alive).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        for (d, _) in &self.dicts {
+            visit.call(d)?;
+        }
+        Ok(())
     }
 
     /// Whether no watched dict changed since the snapshot.
