@@ -336,3 +336,86 @@ def test_a_streamed_parameter_pointed_elsewhere_keeps_the_graph(flux):
     assert runner.stats.captures == captures and runner.stats.replays == replays + 1
     assert torch.equal(out, ref)
     handle.remove()
+
+
+def test_only_plain_dense_tensors_are_copied_as_bytes():
+    """The replay's inputs and outputs go by device-to-device byte copies only where a tensor's
+    bytes are its values on the runner's device; the rest through torch."""
+    from ddo_blocks.streaming.graph import _plain_dense
+
+    cpu = torch.device("cpu")
+    x = torch.randn(4, 4)
+    c = torch.randn(4, 4, dtype=torch.complex64)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert _plain_dense(x, cpu) and _plain_dense(torch.nn.Parameter(x), cpu)
+    assert not _plain_dense(x.t(), cpu)  # strided
+    assert not _plain_dense(c.conj(), cpu)  # a conjugate view: its bytes are not its values
+    assert not _plain_dense(torch._neg_view(x), cpu)
+    assert not _plain_dense(x.as_subclass(Sub), cpu)
+    assert not _plain_dense(x.to_sparse(), cpu)
+    assert not _plain_dense(x, torch.device("meta"))  # another device
+
+
+class _FakeGenerator:
+    def __init__(self):
+        self.offset = 0
+
+    def get_offset(self):
+        return self.offset
+
+
+class _FakeTorchGraph:
+    _keep_graph = True
+
+    def __init__(self, gen, draws):
+        self.gen, self.draws, self.replays = gen, draws, 0
+
+    def replay(self):
+        self.replays += 1
+        self.gen.offset += 4 * self.draws
+
+    def raw_cuda_graph(self):
+        return 1234
+
+
+@pytest.mark.parametrize("case", ["fast", "draws", "refused", "other_error", "user_generators"])
+def test_device_launch_serves_only_graphs_it_replays_alike(monkeypatch, case):
+    """``TorchGraphs.replay``: the first replay is torch's; then device launch, unless that replay
+    moved the generator's offset, the driver refused the graph (any exception: never out of the
+    replay, which already ran), or this torch lets a capture draw from other generators."""
+    from ddo_blocks.streaming import graph as G
+
+    gen = _FakeGenerator()
+    launches = []
+
+    class FakeDeviceGraph:
+        def __init__(self, raw, index, stream):
+            assert raw == 1234
+            if case == "refused":
+                raise ddo_blocks.CudaError("cuGraphInstantiateWithFlags: CUDA_ERROR_NOT_SUPPORTED")
+            if case == "other_error":
+                raise RuntimeError("something else")
+
+        def launch(self, stream):
+            launches.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "default_generators", (gen,))
+    monkeypatch.setattr(G._native, "DeviceGraph", FakeDeviceGraph)
+    monkeypatch.setattr(G, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(G, "_user_generators_capture", lambda device: case == "user_generators")
+    backend = G.TorchGraphs.__new__(G.TorchGraphs)  # no pool: nothing is captured here
+    backend.device_launch = None
+    torch_graph = _FakeTorchGraph(gen, draws=case == "draws")
+    graph = G._Graph(torch_graph, torch.device("cuda", 0), kept=True)
+    for _ in range(4):
+        backend.replay(graph)
+    if case == "fast":
+        assert torch_graph.replays == 1 and launches == [7, 7, 7] and backend.device_launch is None
+    else:
+        assert torch_graph.replays == 4 and launches == [] and graph.fast is None
+        expected = {"draws": "draws random numbers", "refused": "CudaError", "other_error": "RuntimeError",
+                    "user_generators": "any torch.Generator"}[case]
+        assert expected in backend.device_launch, backend.device_launch

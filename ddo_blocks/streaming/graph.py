@@ -58,7 +58,6 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import _native
-from ..errors import DdoError
 
 WARMUP_CALLS = 3
 """Calls a component runs eagerly before its first capture: the order is learned on the first, the
@@ -99,11 +98,13 @@ class TorchGraphs:
     also instantiated for device launch (``_native.DeviceGraph``): the same nodes, launched from the
     host in a few microseconds where torch's launch costs about 1.7 us per copy node and 1.3 us per
     memset node on the H200 (0.12-0.46 ms a call for a Flux-sized step). The first replay of a
-    graph is torch's; its executable for device launch serves the later ones when that replay moved
-    no random-number offset (torch's replay also advances the generators a graph draws from, which
-    a launch of ours would not; a capture can draw only from the default generator, which torch
-    registers, so that offset tells) and the driver allowed the graph. :attr:`device_launch` says
-    why not otherwise."""
+    graph is torch's. Its executable for device launch serves the later ones only where nothing
+    torch's replay does beside the launch matters: torch's replay also advances the generators the
+    graph draws from, which a launch of ours would not, so a graph whose first replay moved the
+    default generator's offset keeps torch's replay, and so does every graph where this torch lets a
+    capture draw from a generator of the user's (:func:`_user_generators_capture`: their offsets are
+    out of sight). A graph the driver refuses keeps torch's replay too. :attr:`device_launch` says
+    why not."""
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
@@ -115,9 +116,9 @@ class TorchGraphs:
 
     def capture(self, body: Any, stream: torch.cuda.Stream) -> tuple[Any, Any]:
         try:
-            g = torch.cuda.CUDAGraph(keep_graph=True)
+            g, kept = torch.cuda.CUDAGraph(keep_graph=True), True
         except TypeError:  # a torch without it: torch's launch only
-            g = torch.cuda.CUDAGraph()
+            g, kept = torch.cuda.CUDAGraph(), False
         try:
             with torch.cuda.graph(g, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 out = body()
@@ -125,9 +126,9 @@ class TorchGraphs:
             with contextlib.suppress(Exception):  # the capture's own error is the one to see
                 repair_generator(stream.device)
             raise
-        if getattr(g, "_keep_graph", False) and hasattr(g, "instantiate"):
-            g.instantiate()
-        return _Graph(g, stream.device), out
+        if kept and hasattr(g, "instantiate"):
+            g.instantiate()  # torch's executable now, not in the first replay
+        return _Graph(g, stream.device, kept), out
 
     def replay(self, graph: Any) -> None:
         if graph.fast is not None:
@@ -146,6 +147,8 @@ class _Graph:
     g: Any
     """The ``torch.cuda.CUDAGraph``."""
     device: torch.device
+    kept: bool
+    """Whether torch keeps its graph (``keep_graph=True``), which device launch instantiates."""
     first: bool = True
     fast: Any = None
     """The graph's executable for device launch, once the first replay showed it may serve."""
@@ -155,16 +158,23 @@ def _raw_stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index or 0)
 
 
+def _plain_dense(t: torch.Tensor, device: torch.device) -> bool:
+    """A tensor whose bytes are its values, on ``device``: a plain strided, contiguous tensor (no
+    subclass, no conjugate or negative view, whose values are not its bytes)."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and t.device == device
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+
+
 def _device_copies(device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Queues ``dst <- src`` for the pairs (same shape and dtype) that are dense on a GPU as
-    device-to-device copies on the current stream, one driver call each (2-3 us where a ``copy_``
-    through the dispatcher costs 10-15 us on the H200's host); returns the pairs left to copy."""
+    """Queues ``dst <- src`` for the pairs (same shape and dtype) that are plain and dense on
+    ``device`` (a GPU) as device-to-device copies on its current stream, one driver call each (2-3 us
+    where a ``copy_`` through the dispatcher costs 10-15 us on the H200's host); returns the pairs
+    left to copy."""
     if device.type != "cuda" or not pairs:
         return pairs
     dense, rest = [], []
     for d, s in pairs:
-        if (d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.nbytes == s.nbytes
-                and d.device == s.device):
+        if d.dtype == s.dtype and d.nbytes == s.nbytes and _plain_dense(d, device) and _plain_dense(s, device):
             dense.append((d.data_ptr(), s.data_ptr(), d.nbytes))
         else:
             rest.append((d, s))
@@ -173,17 +183,48 @@ def _device_copies(device: torch.device, pairs: list[tuple[torch.Tensor, torch.T
     return rest
 
 
+_USER_GENERATORS: dict[int, bool] = {}
+"""Per device: whether this torch lets a capture draw from a generator nobody registered."""
+
+
+def _user_generators_capture(device: torch.device) -> bool:
+    """Whether a capture can draw random numbers from a user's ``torch.Generator`` without its
+    registration (torch versions that register a generator lazily, when a capture first uses it):
+    then torch's replay advances generators a graph's first replay does not show. Probed once per
+    process and device with a capture of one draw; where it fails (explicit registration: a
+    capture that draws from another generator fails, and its call runs eagerly) the default
+    generator is the only one a graph can draw from."""
+    index = device.index or 0
+    if index not in _USER_GENERATORS:
+        gen = torch.Generator(device=device)
+        side = torch.cuda.Stream(device)
+        try:
+            with torch.cuda.device(device), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side,
+                                                             capture_error_mode="thread_local"):
+                torch.rand(1, device=device, generator=gen)
+            _USER_GENERATORS[index] = True
+        except Exception:  # noqa: BLE001 - refused: the capture draws only from the default generator
+            _USER_GENERATORS[index] = False
+            with contextlib.suppress(Exception):
+                repair_generator(device)
+    return _USER_GENERATORS[index]
+
+
 def _device_launch(graph: _Graph, draws: bool) -> tuple[Any, str | None]:
     """The device-launch executable of ``graph`` after its first replay, or ``None`` and why not."""
     if draws:
         return None, "the graph draws random numbers (torch's replay advances their offset)"
-    if not getattr(graph.g, "_keep_graph", False):
+    if not graph.kept or not hasattr(graph.g, "raw_cuda_graph"):
         return None, "this torch does not keep a captured graph (torch.cuda.CUDAGraph(keep_graph=True))"
     try:
+        if _user_generators_capture(graph.device):
+            return None, ("this torch lets a capture draw from any torch.Generator, whose offsets only torch's "
+                          "replay advances")
         return _native.DeviceGraph(graph.g.raw_cuda_graph(), graph.device.index or 0,
                                    _raw_stream(graph.device)), None
-    except DdoError as exc:  # the driver refused the graph: torch's launch, and the report says why
-        return None, f"the driver refused device launch ({str(exc).splitlines()[0][:200]})"
+    except Exception as exc:  # noqa: BLE001 - refused (the driver's reason): torch's launch, said why
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        return None, f"device launch refused ({type(exc).__name__}: {first})"
 
 
 def repair_generator(device: torch.device) -> None:
@@ -539,7 +580,7 @@ class GraphRunner:
         leaves, spec = pytree.tree_flatten(out)
         copies, pairs = [], []
         for t in leaves:
-            if isinstance(t, torch.Tensor) and not t.requires_grad and self.device.type == "cuda":
+            if isinstance(t, torch.Tensor) and not t.requires_grad and _plain_dense(t, self.device):
                 c = torch.empty_like(t)
                 pairs.append((c, t))
                 copies.append(c)

@@ -799,7 +799,6 @@ impl DecodeStage {
         wait_slot: Option<&dyn Fn(Stream) -> Result<()>>,
     ) -> Result<bool> {
         let host = self.unit.host;
-        let pieces = &self.unit.unit.pieces;
         let n = ring.landing.len();
         let mut next = ring.next.lock().unwrap_or_else(|e| e.into_inner());
         for (i, batch) in self.unit.batches.iter().enumerate() {
@@ -814,11 +813,20 @@ impl DecodeStage {
                     wait(ring.decode_stream)?; // no decode writes the slot before its release
                 }
             }
-            if *next + batch.buffers > n {
-                *next = 0; // a batch's buffers are consecutive: the ring's tail waits for the next turn
-            }
+            // A batch of several buffers takes a half of the ring, the halves in turn (two batches
+            // in flight, whatever their sizes); one buffer a batch turns through the whole ring.
             let k = *next;
-            *next = (k + batch.buffers) % n;
+            *next = if ring.batch_buffers > 1 {
+                (k + ring.batch_buffers) % (2 * ring.batch_buffers)
+            } else {
+                (k + 1) % n
+            };
+            if k + batch.buffers > n {
+                return Err(CudaError::InvalidArgument(format!(
+                    "a batch of {} landing buffers from buffer {k} runs past the ring of {n}",
+                    batch.buffers
+                )));
+            }
             let used = k..k + batch.buffers;
             for b in used.clone() {
                 ring.decoded[b].wait_on(stream)?;
@@ -830,47 +838,57 @@ impl DecodeStage {
             unsafe { h2d_async(ring.landing[k], host + batch.src, batch.len, stream)? };
             ring.landed[k].record(stream)?;
             ring.landed[k].wait_on(ring.decode_stream)?;
-            for &j in &batch.pieces {
-                let p = &pieces[j];
-                let PieceKind::Coded {
-                    values, escapes, ..
-                } = p.kind
-                else {
-                    continue;
-                };
-                let src = ring.landing[k] + (p.src - batch.src);
-                // SAFETY: the landing buffers hold the batch once landed[k] completed, the chunk at
-                // its offset in it (16-byte aligned: pieces are 64-byte aligned in the host buffer);
-                // the output is the chunk's range of the slot, 16-byte aligned (the unit layout
-                // aligns tensors to 256 bytes and chunks to 16 MiB), free since the decode
-                // stream's (early) or the copy stream's (through landed[k]) wait for the slot's
-                // last consumer.
-                unsafe {
-                    match p.kind.tiered_counts() {
-                        None => launch_decode(
-                            &ring.kernel,
-                            ring.decode_stream,
-                            src,
-                            base + p.dst,
-                            values,
-                            escapes,
-                        )?,
-                        Some(counts) => crate::tiered::launch_decode(
-                            ring.tiered()?,
-                            ring.decode_stream,
-                            src,
-                            base + p.dst,
-                            values,
-                            counts,
-                        )?,
-                    }
-                };
-            }
+            let decoded = self.decode_batch(ring, batch, k, base);
+            // recorded even after a failed launch: the next copy into these buffers waits for the
+            // decodes that were queued
             for b in used {
                 ring.decoded[b].record(ring.decode_stream)?;
             }
+            decoded?;
         }
         Ok(!self.unit.batches.is_empty())
+    }
+
+    /// Queues the decodes of `batch`'s chunks (landed at buffer `k`) into the slot at `base`.
+    fn decode_batch(&self, ring: &DecodeRing, batch: &Batch, k: usize, base: usize) -> Result<()> {
+        let pieces = &self.unit.unit.pieces;
+        for &j in &batch.pieces {
+            let p = &pieces[j];
+            let PieceKind::Coded {
+                values, escapes, ..
+            } = p.kind
+            else {
+                continue;
+            };
+            let src = ring.landing[k] + (p.src - batch.src);
+            // SAFETY: the landing buffers hold the batch once landed[k] completed, the chunk at
+            // its offset in it (16-byte aligned: pieces are 64-byte aligned in the host buffer);
+            // the output is the chunk's range of the slot, 16-byte aligned (the unit layout
+            // aligns tensors to 256 bytes and chunks to 16 MiB), free since the decode
+            // stream's (early) or the copy stream's (through landed[k]) wait for the slot's
+            // last consumer.
+            unsafe {
+                match p.kind.tiered_counts() {
+                    None => launch_decode(
+                        &ring.kernel,
+                        ring.decode_stream,
+                        src,
+                        base + p.dst,
+                        values,
+                        escapes,
+                    )?,
+                    Some(counts) => crate::tiered::launch_decode(
+                        ring.tiered()?,
+                        ring.decode_stream,
+                        src,
+                        base + p.dst,
+                        values,
+                        counts,
+                    )?,
+                }
+            };
+        }
+        Ok(())
     }
 }
 

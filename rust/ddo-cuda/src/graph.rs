@@ -15,6 +15,9 @@ use cudarc::driver::sys;
 
 use crate::deferred::ErrorSlot;
 use crate::driver::{bind_context, bind_primary, check, Stream};
+
+// `bind_primary`, not `bind_context`, for the graph: an error deferred from elsewhere belongs to
+// the next transport call, not to a replay (a launch is torch's replay's business).
 use crate::error::Result;
 
 /// An executable graph for device launch, owned; destroyed on drop (the driver frees it once a
@@ -34,7 +37,7 @@ impl GraphExec {
     /// destroyed during the call (the executable does not refer to it afterwards), and `stream` a
     /// live stream of that device.
     pub unsafe fn instantiate(graph: u64, ordinal: usize, stream: Stream) -> Result<Self> {
-        let _ctx = bind_context(ordinal)?;
+        let _ctx = bind_primary(ordinal)?;
         let flags = sys::CUgraphInstantiate_flags_enum::CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH.0
             | sys::CUgraphInstantiate_flags_enum::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0;
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
@@ -70,7 +73,7 @@ impl GraphExec {
     /// write is allocated and, as far as the work queued before on `stream` does not order it,
     /// used by nothing else until the launch completed: the contract of a graph replay.
     pub unsafe fn launch(&self, stream: Stream) -> Result<()> {
-        let _ctx = bind_context(self.ordinal)?;
+        let _ctx = bind_primary(self.ordinal)?;
         // SAFETY: `exec` is live until drop; the caller guarantees the stream and the memory.
         check(
             unsafe { sys::cuGraphLaunch(self.exec as sys::CUgraphExec, stream.raw()) },

@@ -289,6 +289,12 @@ impl Transport {
                 "the CPU target decodes on the host: it has no decode ring".into(),
             ));
         };
+        if self.decoder.is_some() || !self.coded_units.is_empty() {
+            // the units' batches were made for the ring they were registered with
+            return Err(CudaError::InvalidArgument(
+                "a transport gets its decode ring once, before its coded units".into(),
+            ));
+        }
         let _ctx = self.bind()?;
         // SAFETY: the caller upholds `DecodeRing::new`'s contract.
         let ring = unsafe {
