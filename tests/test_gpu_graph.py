@@ -186,6 +186,32 @@ def test_a_graph_that_draws_random_numbers_replays_by_torch_and_draws_anew():
     handle.remove()
 
 
+class _OwnGenerator(_Noisy):
+    """Draws from a generator of its own: a capture fails where torch needs it registered (eager
+    calls), or replays by torch's launch where torch registers it lazily; never by device launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) + torch.rand(x.shape, device=x.device, generator=self.gen)
+        return x
+
+
+def test_a_graph_that_draws_from_its_own_generator_draws_anew():
+    model = _OwnGenerator().eval()
+    x = torch.randn(4, 256, device="cuda")
+    handle = ddo_blocks.offload(model, vram_budget=ddo_blocks.minimum_budget(model), device="cuda", graph=True)
+    with torch.no_grad():
+        outs = [model(x) for _ in range(8)]
+    g = handle.report()["graph"]
+    assert g["device_launch"] != "yes", g
+    assert all(not torch.equal(a, b) for a, b in zip(outs, outs[1:])), g
+    handle.remove()
+
+
 def test_graph_with_a_codec_or_a_staging_ring_runs_eagerly_and_says_why():
     model = medium_flux()
     x = flux_inputs(model, height=16, width=16, text_len=32, device="cuda")

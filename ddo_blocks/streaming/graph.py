@@ -50,6 +50,7 @@ import itertools
 import operator
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,22 +192,27 @@ def _user_generators_capture(device: torch.device) -> bool:
     """Whether a capture can draw random numbers from a user's ``torch.Generator`` without its
     registration (torch versions that register a generator lazily, when a capture first uses it):
     then torch's replay advances generators a graph's first replay does not show. Probed once per
-    process and device with a capture of one draw; where it fails (explicit registration: a
-    capture that draws from another generator fails, and its call runs eagerly) the default
-    generator is the only one a graph can draw from."""
+    process and device: a capture of one draw from the default generator (which must succeed, else
+    the probe cannot tell and the answer is yes), then one from a new generator. Where the second
+    fails (explicit registration: a capture that draws from another generator fails, and its call
+    runs eagerly) the default generator is the only one a graph can draw from."""
     index = device.index or 0
     if index not in _USER_GENERATORS:
-        gen = torch.Generator(device=device)
-        side = torch.cuda.Stream(device)
-        try:
-            with torch.cuda.device(device), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side,
-                                                             capture_error_mode="thread_local"):
-                torch.rand(1, device=device, generator=gen)
-            _USER_GENERATORS[index] = True
-        except Exception:  # noqa: BLE001 - refused: the capture draws only from the default generator
-            _USER_GENERATORS[index] = False
-            with contextlib.suppress(Exception):
-                repair_generator(device)
+
+        def captures(gen: torch.Generator | None) -> bool:
+            side = torch.cuda.Stream(device)
+            try:
+                with warnings.catch_warnings(), torch.cuda.device(device):
+                    warnings.simplefilter("ignore")  # torch warns of the empty graph a refused draw leaves
+                    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side, capture_error_mode="thread_local"):
+                        torch.rand(1, device=device, generator=gen)
+                return True
+            except Exception:  # noqa: BLE001 - refused
+                with contextlib.suppress(Exception):
+                    repair_generator(device)
+                return False
+
+        _USER_GENERATORS[index] = not captures(None) or captures(torch.Generator(device=device))
     return _USER_GENERATORS[index]
 
 
