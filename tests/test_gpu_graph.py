@@ -44,7 +44,11 @@ def test_replays_equal_the_resident_forward(budget_name):
     states = k // math.gcd(n, k) if n else 1
     assert g["status"] == "replaying", g
     assert g["captures"] == states and g["replays"] == 8 - 3, g
-    assert g["device_launch"] == "yes", g  # the later replays by the graphs' device-launch executables
+    # the later replays by device launch where nothing streams; torch's launch keeps copies beside compute
+    if n:
+        assert g["device_launch"].startswith("no: the graph streams units"), g
+    else:
+        assert g["device_launch"] == "yes", g
     assert g["host_replay_s"] < 0.005, g  # no per-unit Python on a replay
     timeline = rep["timeline"]
     assert len(timeline) == 8
@@ -109,7 +113,7 @@ def test_new_values_of_the_same_shapes_are_copied_in_dense_or_not():
         x["hidden_states"] = h.transpose(1, 2).contiguous().transpose(1, 2)
         assert not x["hidden_states"].is_contiguous() and torch.equal(x["hidden_states"], h)
     refs = [_resident_reference(model, x)[0] for x in xs]
-    handle = ddo_blocks.offload(model, vram_budget=budgets(model)["half"], device="cuda", graph=True)
+    handle = ddo_blocks.offload(model, vram_budget=budgets(model)["all_resident"], device="cuda", graph=True)
     with torch.no_grad():
         outs = [(i, model(**xs[i])[0]) for i in (0, 1, 0, 0, 1, 0, 1, 1, 0)]
     for i, out in outs:
