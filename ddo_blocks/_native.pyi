@@ -317,6 +317,18 @@ def scan_module_dicts(
     ``found`` being ``(index, _diffusers_hook or None, _hf_hook or None)`` for each module with either,
     ``tree`` a hash of each instance's own ``forward`` and of what each module's ``_parameters``,
     ``_buffers`` and ``_modules`` hold, by name and value identity."""
+class DeviceGraph:
+    """A ``torch.cuda.CUDAGraph(keep_graph=True)``'s graph instantiated again for device launch."""
+
+    def __init__(self, raw_graph: int, device: int, stream: int) -> None:
+        """Instantiates ``raw_graph`` (``raw_cuda_graph()``) for device launch and uploads it on ``stream``;
+        ``CudaError`` with the driver's reason where device launch does not allow the graph."""
+    def launch(self, stream: int) -> None:
+        """Launches the graph on ``stream`` (a ``cuda_stream`` handle of its device)."""
+
+def copy_device(device: int, copies: list[tuple[int, int, int]], stream: int) -> None:
+    """Queues device-to-device copies ``(dst, src, bytes)`` of device ``device`` on ``stream``, in order."""
+
 class TreeWatch:
     """Every dict a scan of modules reads, with CPython's version tag of each (``guards.HookScan``)."""
 
