@@ -381,7 +381,7 @@ class _FakeTorchGraph:
         return 1234
 
 
-@pytest.mark.parametrize("case", ["fast", "draws", "refused", "other_error", "user_generators"])
+@pytest.mark.parametrize("case", ["fast", "draws", "refused", "other_error", "user_generators", "interrupt"])
 def test_device_launch_serves_only_graphs_it_replays_alike(monkeypatch, case):
     """``TorchGraphs.replay``: the first replay is torch's; then device launch, unless that replay
     moved the generator's offset, the driver refused the graph (any exception: never out of the
@@ -398,6 +398,8 @@ def test_device_launch_serves_only_graphs_it_replays_alike(monkeypatch, case):
                 raise ddo_blocks.CudaError("cuGraphInstantiateWithFlags: CUDA_ERROR_NOT_SUPPORTED")
             if case == "other_error":
                 raise RuntimeError("something else")
+            if case == "interrupt":
+                raise KeyboardInterrupt
 
         def launch(self, stream):
             launches.append(stream)
@@ -410,6 +412,12 @@ def test_device_launch_serves_only_graphs_it_replays_alike(monkeypatch, case):
     backend.device_launch = None
     torch_graph = _FakeTorchGraph(gen, draws=case == "draws")
     graph = G._Graph(torch_graph, torch.device("cuda", 0), kept=True)
+    if case == "interrupt":  # decided before the second replay launches anything
+        backend.replay(graph)
+        with pytest.raises(KeyboardInterrupt):
+            backend.replay(graph)
+        assert torch_graph.replays == 1 and launches == []
+        return
     for _ in range(4):
         backend.replay(graph)
     if case == "fast":

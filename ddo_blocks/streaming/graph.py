@@ -105,9 +105,10 @@ class TorchGraphs:
     default generator's offset keeps torch's replay, and so does every graph where this torch lets a
     capture draw from a generator of the user's (:func:`_user_generators_capture`: their offsets are
     out of sight). A graph that streams units keeps torch's replay too: launched for the device, the
-    Flux-sized step at 512x512 and 16 GiB ran 1.5x slower on the H200 (its copies and its compute
-    overlapped less), so device launch serves graphs without copies (every unit resident). A graph
-    the driver refuses keeps torch's replay. :attr:`device_launch` says why not."""
+    Flux-sized step at 512x512 and 16 GiB ran 1.5x slower than eager on the H200 (not profiled), so
+    device launch serves graphs without copies (every unit resident). A graph the driver refuses
+    keeps torch's replay. The decision is made before the second replay launches anything.
+    :attr:`device_launch` says why not."""
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
@@ -134,15 +135,20 @@ class TorchGraphs:
         return _Graph(g, stream.device, kept), out
 
     def replay(self, graph: Any) -> None:
+        if graph.replays == 1 and not graph.tried:
+            # decided before this call launches anything: an error (or an interrupt) here leaves
+            # the call unlaunched, as the runner then takes it
+            graph.tried = True
+            graph.fast, self.device_launch = _device_launch(graph)
         if graph.fast is not None:
             graph.fast.launch(_raw_stream(graph.device))
             return
         gen = torch.cuda.default_generators[graph.device.index or 0]
         offset = gen.get_offset()
         graph.g.replay()
-        if graph.first:
-            graph.first = False
-            graph.fast, self.device_launch = _device_launch(graph, gen.get_offset() != offset)
+        if graph.replays == 0:
+            graph.draws = gen.get_offset() != offset
+        graph.replays += 1
 
 
 @dataclass
@@ -152,9 +158,14 @@ class _Graph:
     device: torch.device
     kept: bool
     """Whether torch keeps its graph (``keep_graph=True``), which device launch instantiates."""
-    first: bool = True
+    replays: int = 0
+    """Replays by torch's launch."""
+    draws: bool = False
+    """Whether torch's first replay moved the default generator's offset."""
+    tried: bool = False
+    """Whether device launch was decided (before the second replay)."""
     fast: Any = None
-    """The graph's executable for device launch, once the first replay showed it may serve."""
+    """The graph's executable for device launch, where it may serve."""
     copies: bool = False
     """Whether the graph fetches units (copies on the copy stream beside the compute)."""
 
@@ -193,40 +204,56 @@ _USER_GENERATORS: dict[int, bool] = {}
 
 
 def _user_generators_capture(device: torch.device) -> bool:
-    """Whether a capture can draw random numbers from a user's ``torch.Generator`` without its
-    registration (torch versions that register a generator lazily, when a capture first uses it):
+    """Whether a capture may draw random numbers from a user's ``torch.Generator`` that nobody
+    registered (torch versions that register a generator lazily, when a capture first uses it):
     then torch's replay advances generators a graph's first replay does not show. Probed once per
-    process and device: a capture of one draw from the default generator (which must succeed, else
-    the probe cannot tell and the answer is yes), then one from a new generator. Where the second
-    fails (explicit registration: a capture that draws from another generator fails, and its call
-    runs eagerly) the default generator is the only one a graph can draw from."""
+    process and device, with captures of one draw: from the default generator (it must succeed),
+    from a new generator (it must fail), and from that generator registered with the graph (it must
+    succeed, so that the failure was the missing registration). Anything else answers yes: the
+    probe cannot tell, and device launch is refused. A probe that failed for want of memory or for
+    another error than the answer is not kept: the next graph asks again."""
     index = device.index or 0
-    if index not in _USER_GENERATORS:
+    if index in _USER_GENERATORS:
+        return _USER_GENERATORS[index]
 
-        def captures(gen: torch.Generator | None) -> bool:
-            side = torch.cuda.Stream(device)
-            try:
-                with warnings.catch_warnings(), torch.cuda.device(device):
-                    warnings.simplefilter("ignore")  # torch warns of the empty graph a refused draw leaves
-                    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side, capture_error_mode="thread_local"):
-                        torch.rand(1, device=device, generator=gen)
-                return True
-            except Exception:  # noqa: BLE001 - refused
-                with contextlib.suppress(Exception):
-                    repair_generator(device)
-                return False
+    def captures(gen: torch.Generator | None, register: bool = False) -> bool:
+        side = torch.cuda.Stream(device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with warnings.catch_warnings(), torch.cuda.device(device):
+                warnings.simplefilter("ignore")  # torch warns of the empty graph a refused draw leaves
+                if register:
+                    graph.register_generator_state(gen.graphsafe_get_state())
+                with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                    torch.rand(1, device=device, generator=gen)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception:  # noqa: BLE001 - refused
+            with contextlib.suppress(Exception):
+                repair_generator(device)
+            return False
 
-        _USER_GENERATORS[index] = not captures(None) or captures(torch.Generator(device=device))
-    return _USER_GENERATORS[index]
+    try:
+        if not captures(None):
+            return True  # the probe itself cannot capture: no answer kept
+        gen = torch.Generator(device=device)
+        lazy = captures(gen)
+        if not lazy and not (hasattr(torch.cuda.CUDAGraph, "register_generator_state") and captures(gen, True)):
+            return True  # refused, but not for the registration: no answer kept
+    except torch.cuda.OutOfMemoryError:
+        return True
+    _USER_GENERATORS[index] = lazy
+    return lazy
 
 
-def _device_launch(graph: _Graph, draws: bool) -> tuple[Any, str | None]:
+def _device_launch(graph: _Graph) -> tuple[Any, str | None]:
     """The device-launch executable of ``graph`` after its first replay, or ``None`` and why not."""
-    if draws:
+    if graph.draws:
         return None, "the graph draws random numbers (torch's replay advances their offset)"
     if graph.copies:
-        return None, ("the graph streams units: launched for the device, its step at 512x512 and 16 GiB ran 1.5x "
-                      "slower than under torch's launch on the H200 (its copies and compute overlapped less)")
+        return None, ("the graph streams units: launched for the device, the streamed step at 512x512 and 16 GiB "
+                      "ran 1.5x slower than eager on the H200 (not profiled)")
     if not graph.kept or not hasattr(graph.g, "raw_cuda_graph"):
         return None, "this torch does not keep a captured graph (torch.cuda.CUDAGraph(keep_graph=True))"
     try:
@@ -677,7 +704,7 @@ class GraphRunner:
 
     def _device_launch(self) -> str | None:
         """``"yes"`` when every graph replays by device launch (:class:`TorchGraphs`), else why not."""
-        graphs = [c.graph for c in self._graphs.values() if isinstance(c.graph, _Graph) and not c.graph.first]
+        graphs = [c.graph for c in self._graphs.values() if isinstance(c.graph, _Graph) and c.graph.tried]
         if not graphs:
             return None
         if all(g.fast is not None for g in graphs):
