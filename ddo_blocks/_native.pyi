@@ -326,9 +326,6 @@ class DeviceGraph:
     def launch(self, stream: int) -> None:
         """Launches the graph on ``stream`` (a ``cuda_stream`` handle of its device)."""
 
-def copy_device(device: int, copies: list[tuple[int, int, int]], stream: int) -> None:
-    """Queues device-to-device copies ``(dst, src, bytes)`` of device ``device`` on ``stream``, in order."""
-
 class TreeWatch:
     """Every dict a scan of modules reads, with CPython's version tag of each (``guards.HookScan``)."""
 

@@ -103,9 +103,9 @@ def test_new_shapes_capture_again_and_eager_calls_between_stay_exact():
     handle.remove()
 
 
-def test_new_values_of_the_same_shapes_are_copied_in_dense_or_not():
-    """Replays with inputs of the same shapes and new values: dense inputs go in by device copies,
-    a strided one (a transposed view) through torch; each output is that input's resident one."""
+def test_new_values_of_the_same_shapes_are_copied_in():
+    """Replays with inputs of the same shapes and new values, a strided one (a transposed view)
+    among them: each output is that input's resident one."""
     model = medium_flux()
     xs = [flux_inputs(model, height=16, width=16, text_len=32, seed=s, device="cuda") for s in (0, 5)]
     for x in xs:  # the same strided layout for both: one key

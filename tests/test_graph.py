@@ -338,27 +338,6 @@ def test_a_streamed_parameter_pointed_elsewhere_keeps_the_graph(flux):
     handle.remove()
 
 
-def test_only_plain_dense_tensors_are_copied_as_bytes():
-    """The replay's inputs and outputs go by device-to-device byte copies only where a tensor's
-    bytes are its values on the runner's device; the rest through torch."""
-    from ddo_blocks.streaming.graph import _plain_dense
-
-    cpu = torch.device("cpu")
-    x = torch.randn(4, 4)
-    c = torch.randn(4, 4, dtype=torch.complex64)
-
-    class Sub(torch.Tensor):
-        pass
-
-    assert _plain_dense(x, cpu) and _plain_dense(torch.nn.Parameter(x), cpu)
-    assert not _plain_dense(x.t(), cpu)  # strided
-    assert not _plain_dense(c.conj(), cpu)  # a conjugate view: its bytes are not its values
-    assert not _plain_dense(torch._neg_view(x), cpu)
-    assert not _plain_dense(x.as_subclass(Sub), cpu)
-    assert not _plain_dense(x.to_sparse(), cpu)
-    assert not _plain_dense(x, torch.device("meta"))  # another device
-
-
 class _FakeGenerator:
     def __init__(self):
         self.offset = 0

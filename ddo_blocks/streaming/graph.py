@@ -174,31 +174,6 @@ def _raw_stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index or 0)
 
 
-def _plain_dense(t: torch.Tensor, device: torch.device) -> bool:
-    """A tensor whose bytes are its values, on ``device``: a plain strided, contiguous tensor (no
-    subclass, no conjugate or negative view, whose values are not its bytes)."""
-    return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and t.device == device
-            and t.is_contiguous() and not t.is_conj() and not t.is_neg())
-
-
-def _device_copies(device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Queues ``dst <- src`` for the pairs (same shape and dtype) that are plain and dense on
-    ``device`` (a GPU) as device-to-device copies on its current stream, one driver call each (2-3 us
-    where a ``copy_`` through the dispatcher costs 10-15 us on the H200's host); returns the pairs
-    left to copy."""
-    if device.type != "cuda" or not pairs:
-        return pairs
-    dense, rest = [], []
-    for d, s in pairs:
-        if d.dtype == s.dtype and d.nbytes == s.nbytes and _plain_dense(d, device) and _plain_dense(s, device):
-            dense.append((d.data_ptr(), s.data_ptr(), d.nbytes))
-        else:
-            rest.append((d, s))
-    if dense:
-        _native.copy_device(device.index or 0, dense, _raw_stream(device))
-    return rest
-
-
 _USER_GENERATORS: dict[int, bool] = {}
 """Per device: whether this torch lets a capture draw from a generator nobody registered."""
 
@@ -606,31 +581,12 @@ class GraphRunner:
 
     def _copy_inputs(self, leaves: list[Any]) -> None:
         """Copies the call's tensors into the static inputs the graph reads (every call: a tensor may
-        have been written in place in ways its version counter does not see, ``.data`` writes).
-        Dense ones on the GPU by one driver call each (:func:`_device_copies`), the rest in one
-        dispatch (each ``copy_`` its own: 15 us apiece on the H200's host)."""
+        have been written in place in ways its version counter does not see, ``.data`` writes)."""
         assert self._static is not None
         pairs = [(s, x) for s, x in zip(self._static, leaves) if s is not None and x is not s]
-        rest = _device_copies(self.device, pairs)
-        if rest:
-            dst, src = zip(*rest)
+        if pairs:  # one dispatch for all of them (each copy_ its own: 15 us apiece on the H200's host)
+            dst, src = zip(*pairs)
             torch._foreach_copy_(list(dst), list(src))
-
-    def _clone_outputs(self, out: Any) -> Any:
-        """Copies of the graph's own outputs (the next replay overwrites them), made as
-        ``Tensor.clone`` makes them."""
-        leaves, spec = pytree.tree_flatten(out)
-        copies, pairs = [], []
-        for t in leaves:
-            if isinstance(t, torch.Tensor) and not t.requires_grad and _plain_dense(t, self.device):
-                c = torch.empty_like(t)
-                pairs.append((c, t))
-                copies.append(c)
-            else:
-                copies.append(t.clone() if isinstance(t, torch.Tensor) else t)
-        for c, t in _device_copies(self.device, pairs):
-            c.copy_(t)
-        return pytree.tree_unflatten(copies, spec)
 
     def _replay(self, captured: Captured, leaves: list[Any], copy_inputs: bool, t_call: float | None = None) -> Any:
         """Replays ``captured``; ``t_call``: when the call began (the key and the checks before it
@@ -659,7 +615,7 @@ class GraphRunner:
                 if launched:  # the device holds the end state now, whatever comes next
                     sched.set_inflight(captured.end)
                     engine.after_replay()
-            out = self._clone_outputs(captured.out)
+            out = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, captured.out)
             if stream is not None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(stream)

@@ -9,15 +9,16 @@
 //! (`torch.cuda.CUDAGraph(keep_graph=True)`, `raw_cuda_graph()`): the same nodes, so the same
 //! kernels on the same addresses. Instantiation fails with the driver's error for a graph that
 //! device launch does not allow (other node types than kernels, copies and memsets, memory of
-//! several devices); the caller then keeps PyTorch's launch.
+//! several devices); the caller then keeps PyTorch's launch. A streamed Flux step (host-to-device
+//! copies on a second stream) ran 1.5x slower launched this way at 512x512 on the H200 (not
+//! profiled), so the Python side uses it only for graphs without copies.
 
 use cudarc::driver::sys;
 
 use crate::deferred::ErrorSlot;
-use crate::driver::{bind_context, bind_primary, check, Stream};
-
 // `bind_primary`, not `bind_context`, for the graph: an error deferred from elsewhere belongs to
 // the next transport call, not to a replay (a launch is torch's replay's business).
+use crate::driver::{bind_primary, check, Stream};
 use crate::error::Result;
 
 /// An executable graph for device launch, owned; destroyed on drop (the driver frees it once a
@@ -97,46 +98,4 @@ impl Drop for GraphExec {
             ErrorSlot::process().record("destroying a graph for device launch", e);
         }
     }
-}
-
-/// Queues device-to-device copies `(dst, src, bytes)` on `stream`, in order: a replay's inputs
-/// into the tensors its graph reads and its outputs out of the graph's own, one driver call each
-/// (2-3 us) where a tensor copy through PyTorch's dispatcher cost 10-15 us on the H200's host.
-///
-/// # Safety
-/// Each `src` and `dst` is `bytes` of device memory of device `ordinal`, allocated until the copy
-/// completed, the ranges of one copy not overlapping; `stream` is a live stream of that device,
-/// and the work queued on it orders every other use of those bytes.
-pub unsafe fn copy_device_many(
-    ordinal: usize,
-    copies: &[(usize, usize, usize)],
-    stream: Stream,
-) -> Result<()> {
-    if copies.iter().any(|&(d, s, n)| {
-        n > 0 && (d == 0 || s == 0 || d.checked_add(n).is_none() || s.checked_add(n).is_none())
-    }) {
-        return Err(crate::error::CudaError::InvalidArgument(
-            "a device copy with a null or wrapping range".into(),
-        ));
-    }
-    let _ctx = bind_context(ordinal)?;
-    for &(dst, src, n) in copies {
-        if n == 0 {
-            continue;
-        }
-        // SAFETY: the caller upholds the contract above.
-        check(
-            unsafe {
-                sys::cuMemcpyDtoDAsync_v2(
-                    dst as sys::CUdeviceptr,
-                    src as sys::CUdeviceptr,
-                    n,
-                    stream.raw(),
-                )
-            },
-            "cuMemcpyDtoDAsync",
-            "copying a graph's inputs or outputs on the GPU",
-        )?;
-    }
-    Ok(())
 }

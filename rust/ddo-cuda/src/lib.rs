@@ -35,7 +35,7 @@ pub use driver::{
 };
 pub use error::{CudaError, Result};
 pub use event::Event;
-pub use graph::{copy_device_many, GraphExec};
+pub use graph::GraphExec;
 pub use host::{
     copy_host, copy_host_many, read_fd_into, read_file_into, HostBuffer, HostRegistration,
 };

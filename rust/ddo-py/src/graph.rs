@@ -1,7 +1,7 @@
 //! A graph PyTorch captured, instantiated again for device launch (`ddo_cuda::GraphExec`): the
 //! replay of `ddo_blocks.streaming.graph.TorchGraphs` where the driver allows it.
 
-use ddo_cuda::{copy_device_many, GraphExec, Stream};
+use ddo_cuda::{GraphExec, Stream};
 use pyo3::prelude::*;
 
 use crate::errors::cuda_err;
@@ -38,17 +38,6 @@ impl DeviceGraph {
     }
 }
 
-/// Queues the device-to-device copies `(dst, src, bytes)` (data pointers of tensors of device
-/// `device`) on `stream`, in order.
-#[pyfunction]
-fn copy_device(device: usize, copies: Vec<(usize, usize, usize)>, stream: u64) -> PyResult<()> {
-    // SAFETY: TorchGraphs' runner passes the data pointers and sizes of dense tensors of that
-    // device that it keeps alive (the call's inputs and the graph's static tensors, an output
-    // and its new copy), on the device's current stream, which orders every other use of them.
-    unsafe { copy_device_many(device, &copies, Stream::from_raw(stream)) }.map_err(cuda_err)
-}
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<DeviceGraph>()?;
-    m.add_function(wrap_pyfunction!(copy_device, m)?)
+    m.add_class::<DeviceGraph>()
 }
