@@ -98,7 +98,7 @@ class TorchGraphs:
     Where torch keeps the captured graph (``keep_graph=True``, torch 2.6 and later), each graph is
     also instantiated for device launch (``_native.DeviceGraph``): the same nodes, launched from the
     host in a few microseconds where torch's launch costs about 1.7 us per copy node and 1.3 us per
-    memset node on the H200 (0.12-0.46 ms a call for a Flux-sized step). The first replay of a
+    memset node on the H200 (0.17-0.46 ms a call for Flux's module tree). The first replay of a
     graph is torch's. Its executable for device launch serves the later ones only where nothing
     torch's replay does beside the launch matters: torch's replay also advances the generators the
     graph draws from, which a launch of ours would not, so a graph whose first replay moved the
