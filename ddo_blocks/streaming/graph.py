@@ -143,11 +143,13 @@ class TorchGraphs:
         if graph.fast is not None:
             graph.fast.launch(_raw_stream(graph.device))
             return
-        gen = torch.cuda.default_generators[graph.device.index or 0]
-        offset = gen.get_offset()
-        graph.g.replay()
-        if graph.replays == 0:
+        if graph.replays == 0:  # whether torch's replay advances the generator: read once
+            gen = torch.cuda.default_generators[graph.device.index or 0]
+            offset = gen.get_offset()
+            graph.g.replay()
             graph.draws = gen.get_offset() != offset
+        else:
+            graph.g.replay()
         graph.replays += 1
 
 

@@ -760,6 +760,9 @@ pub(crate) struct HostCodedUnit {
     pub host: usize,
     /// The batches of its coded chunks for the transport's ring (empty on the CPU target).
     pub batches: Vec<Batch>,
+    /// Bytes one fetch sends: on the GPU its raw pieces and batches (`ddo_core::landing`), on
+    /// the CPU target its host buffer.
+    pub link_bytes: usize,
 }
 
 /// The post-copy stage of a coded fetch: decode every coded chunk into the slot. On the GPU the
@@ -802,12 +805,6 @@ impl DecodeStage {
         let n = ring.landing.len();
         let mut next = ring.next.lock().unwrap_or_else(|e| e.into_inner());
         for (i, batch) in self.unit.batches.iter().enumerate() {
-            if batch.buffers > n || batch.len > batch.buffers * ring.landing_bytes {
-                return Err(CudaError::InvalidArgument(format!(
-                    "a batch of {} bytes in {} landing buffers does not fit the ring of {n} of {} bytes",
-                    batch.len, batch.buffers, ring.landing_bytes
-                )));
-            }
             if i == 0 {
                 if let Some(wait) = wait_slot {
                     wait(ring.decode_stream)?; // no decode writes the slot before its release
@@ -821,10 +818,12 @@ impl DecodeStage {
             } else {
                 (k + 1) % n
             };
-            if k + batch.buffers > n {
+            // made for this ring at registration (it is set once, before the units); checked
+            // anyway, as the copy below writes device memory
+            if k + batch.buffers > n || batch.len > batch.buffers * ring.landing_bytes {
                 return Err(CudaError::InvalidArgument(format!(
-                    "a batch of {} landing buffers from buffer {k} runs past the ring of {n}",
-                    batch.buffers
+                    "a batch of {} bytes in {} landing buffers from buffer {k} does not fit the ring of {n} of {} bytes",
+                    batch.len, batch.buffers, ring.landing_bytes
                 )));
             }
             let used = k..k + batch.buffers;

@@ -341,10 +341,15 @@ impl Transport {
             Some(ring) => ring.batches(&unit)?,
             None => Vec::new(),
         };
+        let link_bytes = match self.target {
+            Target::Cuda { .. } => ddo_core::landing::link_bytes(&unit, &batches),
+            Target::Cpu => unit.nbytes,
+        };
         self.coded_units.push(Arc::new(HostCodedUnit {
             unit,
             host,
             batches,
+            link_bytes,
         }));
         Ok(self.coded_units.len() - 1)
     }
@@ -358,10 +363,7 @@ impl Transport {
                 self.coded_units.len()
             ))
         })?;
-        Ok(match self.target {
-            Target::Cuda { .. } => ddo_core::landing::link_bytes(&cu.unit, &cu.batches),
-            Target::Cpu => cu.unit.nbytes,
-        })
+        Ok(cu.link_bytes)
     }
 
     /// Starts filling `slot` (at address `dst`) with coded unit `unit`: its raw pieces copied
@@ -395,8 +397,7 @@ impl Transport {
             .unwrap_or(0);
         crate::host::check_host_range("coded fetch destination", dst, span)?;
         self.stats.fetches += 1;
-        let sent = self.coded_link_bytes(unit)?;
-        self.stats.bytes = self.stats.bytes.saturating_add(sent as u64);
+        self.stats.bytes = self.stats.bytes.saturating_add(cu.link_bytes as u64);
         let copies: Vec<Span> = cu
             .unit
             .pieces
