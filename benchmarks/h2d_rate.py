@@ -9,8 +9,10 @@ as the engine pins) into a device buffer on one stream and times them with CUDA 
 - ``slab``: one 1 GiB buffer, as the uncompressed route's slabs;
 - ``units``: separate buffers of 400 MiB, as the codec's per-unit buffers;
 - ``units_threads``: the same, first written by 8 threads (the encoder's rayon pool);
-- ``slab_busy``: the slab while a memory-bound kernel streams 2 x 4 GiB on another stream, as a
-  decode kernel would (at a lower duty).
+- ``slab_busy``: the slab while a device-to-device copy streams 2 x 4 GiB on another stream (the
+  driver's copy, which may run on a copy engine);
+- ``slab_sm_busy``: the slab while an elementwise kernel on the SMs (``torch.add`` of 2 GiB bf16
+  tensors) reads and writes device memory on another stream, as the codec's decode kernels do.
 
 Writes ``h2d_rate.json``. Needs CUDA.
 """
@@ -57,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                 t.join()
         return buf, _native.HostRegistration(buf, buf.data_ptr(), nbytes, dev.index)
 
-    def rate(buffers: list[torch.Tensor], busy: bool = False) -> float:
+    def rate(buffers: list[torch.Tensor], busy: bool = False, sm: bool = False) -> float:
         a = b = None
-        if busy:
+        if busy or sm:
             a = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
             b = torch.empty_like(a)
         side = torch.cuda.Stream(dev)
@@ -69,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.cuda.stream(side):
                     for _ in range(40):
                         b.copy_(a)
+            if sm:
+                fa, fb = a.view(torch.bfloat16), b.view(torch.bfloat16)
+                with torch.cuda.stream(side):
+                    for _ in range(60):
+                        torch.add(fa, 1, out=fb)
             start.record(stream)
             k = 0
             for buf in buffers:
@@ -83,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     slab, reg = pinned(1 << 30)
     rows["slab"] = max(rate([slab] * int(total // (1 << 30))) for _ in range(3))
     rows["slab_busy"] = max(rate([slab] * int(total // (1 << 30)), busy=True) for _ in range(2))
+    rows["slab_sm_busy"] = max(rate([slab] * int(total // (1 << 30)), sm=True) for _ in range(2))
     del reg
     unit = 400 << 20
     units = [pinned(unit) for _ in range(max(1, total // unit))]

@@ -1,0 +1,184 @@
+"""The codec's landing ring swept in one process: the Flux-dev-sized transformer built once, then
+offloaded again and again (codec x budget x ring size), each row timed and checked against the
+resident output, so rows that differ by one setting share the model, the machine and the link.
+
+    python -m benchmarks.codec_sweep --budgets min,8 --codecs off,fixed,tiered --rings 8,16,32 --out "$OUT/sweep"
+
+A row's ring size (``--rings``) is the number of landing buffers of one coded chunk each (the
+product's default is :func:`ddo_blocks.streaming.coded.landing_count`, at most
+``coded.LANDING_BUFFERS[1]``); ``0`` keeps the default. At ``min`` a coded row gets the
+uncompressed row's budget plus its landing buffers (the same plan, as ``benchmarks.run`` does).
+
+Per row: the step (median of ``--repeats`` after three warm-up calls: the order, the calibration,
+one steady call), the link bytes per call, the roofline ``max(resident step, streamed / link)`` and
+the compressed bound ``max(link bytes / link, resident step + decoded bytes / decode rate)``, the
+setup, and whether the output is ``torch.equal`` to the resident one. Writes ``codec_sweep.json``
+and ``codec_sweep.md``. Needs CUDA (``--device cpu`` runs the same rows on a tiny model: a dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _link_gb_s(dev: Any, nbytes: int = 1 << 30, reps: int = 5) -> float:
+    import torch
+
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    gpu.copy_(pinned, non_blocking=True)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        gpu.copy_(pinned, non_blocking=True)
+        b.record(stream)
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.codec_sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--budgets", default="min,8", help="'min' or GiB, comma-separated (default min,8)")
+    p.add_argument("--codecs", default="off,fixed,tiered")
+    p.add_argument("--rings", default="0", help="landing buffers per coded row, comma-separated; 0: the default")
+    p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    import ddo_blocks
+    from ddo_blocks.streaming import coded
+
+    from .model import FLUX_DEV, TINY, make_inputs, random_model
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("needs CUDA (or --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    cuda = args.device == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    model = random_model(FLUX_DEV if cuda else TINY, dev).to("cpu").eval()
+    sync()
+    build_s = time.perf_counter() - t0
+    tokens = args.resolution // 16 if cuda else 4
+    x = make_inputs(model, height_tokens=tokens, width_tokens=tokens, text_tokens=512 if cuda else 8,
+                    device=dev, dtype=torch.bfloat16)
+
+    def timed(n: int) -> tuple[list[float], Any]:
+        out, times = None, []
+        for _ in range(n):
+            del out
+            sync()
+            t = time.perf_counter()
+            out = model(**x)[0]
+            sync()
+            times.append(time.perf_counter() - t)
+        return times, out
+
+    with torch.no_grad():
+        model.to(dev)
+        timed(2)
+        times, ref = timed(args.repeats)
+        resident_s = statistics.median(times)
+        ref = ref.clone()
+        model.to("cpu")
+    torch.cuda.empty_cache() if cuda else None
+    link = _link_gb_s(dev) * 1e9 if cuda else None
+    print(f"built in {build_s:.1f} s; resident step {resident_s:.4f} s; link {f'{link / 1e9:.2f} GB/s' if link else '-'}", flush=True)
+
+    default_buffers, default_ahead = coded.LANDING_BUFFERS, coded.LANDING_AHEAD
+    rows: list[dict[str, Any]] = []
+    for budget_text in args.budgets.split(","):
+        for codec in args.codecs.split(","):
+            for ring in ([0] if codec == "off" else [int(r) for r in args.rings.split(",")]):
+                coded.LANDING_BUFFERS, coded.LANDING_AHEAD = ((ring, ring), 1e9) if ring else (default_buffers,
+                                                                                                 default_ahead)
+                row: dict[str, Any] = {"budget": budget_text, "codec": codec, "ring": ring or "default"}
+                handle = None
+                try:
+                    if budget_text == "min":
+                        budget = ddo_blocks.minimum_budget(model)
+                        if codec != "off":
+                            budget += coded.reserve_bytes(model, codec, dev)
+                    else:
+                        budget = int(float(budget_text) * (1 << 30))
+                    opts = {"codec": codec} if codec != "off" else {}
+                    t = time.perf_counter()
+                    handle = ddo_blocks.offload(model, preset="one_shot_fast", vram_budget=budget, device=dev,
+                                                component="transformer", **opts)
+                    row["setup_s"] = time.perf_counter() - t
+                    with torch.no_grad():
+                        timed(3)
+                        times, out = timed(args.repeats)
+                    row["step_s"] = statistics.median(times)
+                    row["exact"] = bool(torch.equal(out, ref))
+                    del out
+                    rep = handle.report().to_dict()
+                    plan, cod = rep.get("plan", {}), rep.get("codec") or {}
+                    streamed = plan.get("streamed_bytes") or 0
+                    link_bytes = cod.get("link_call_bytes") or streamed
+                    row.update(streamed_bytes=streamed, link_bytes=link_bytes, slots=plan.get("slots"),
+                               landing_buffers=cod.get("landing_buffers"), ratio=cod.get("ratio"),
+                               decode_gb_s=cod.get("decode_gb_s"), decode_s=cod.get("decode_s_per_call"))
+                    if link:
+                        row["roofline_s"] = max(resident_s, streamed / link)
+                        row["bound_s"] = max(link_bytes / link, resident_s + (row["decode_s"] or 0.0))
+                        row["step_per_roofline"] = row["step_s"] / row["roofline_s"]
+                        row["step_per_bound"] = row["step_s"] / row["bound_s"]
+                    t = time.perf_counter()
+                    handle.remove()
+                    handle = None
+                    row["remove_s"] = time.perf_counter() - t
+                except Exception as exc:  # noqa: BLE001 - a row that fails is a row that says why
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                finally:
+                    if handle is not None:
+                        handle.remove()
+                    coded.LANDING_BUFFERS, coded.LANDING_AHEAD = default_buffers, default_ahead
+                    if cuda:
+                        torch.cuda.empty_cache()
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+
+    uncompressed = {r["budget"]: r.get("step_s") for r in rows if r["codec"] == "off"}
+    lines = ["| budget | codec | ring | slots | step s | / uncompressed | / roofline | / compressed bound | link GB/call "
+             "| setup s | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['budget']} | {r['codec']} | {r['ring']} | - | error: {r['error']} | | | | | | |")
+            continue
+        base = uncompressed.get(r["budget"])
+        lines.append(
+            f"| {r['budget']} | {r['codec']} | {r['ring']} ({r.get('landing_buffers') or 0}) | {r.get('slots')} "
+            f"| {r['step_s']:.4f} | {r['step_s'] / base:.3f} | {r.get('step_per_roofline', float('nan')):.3f} "
+            f"| {r.get('step_per_bound', float('nan')):.3f} | {r['link_bytes'] / 1e9:.2f} | {r['setup_s']:.1f} "
+            f"| {r['exact']} |" if base else f"| {r['budget']} | {r['codec']} | {r['ring']} | {r['step_s']:.4f} |")
+    table = "\n".join(lines)
+    print(table)
+    doc = {"command": "python -m benchmarks.codec_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+           "resident_step_s": resident_s, "link_gb_s": link / 1e9 if link else None, "build_s": build_s,
+           "rows": rows}
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "codec_sweep.json").write_text(json.dumps(doc, indent=1))
+        (args.out / "codec_sweep.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
