@@ -148,7 +148,9 @@ def test_bad_codec_requests_are_clear_errors_and_leave_the_module_usable():
     assert coded_min == plain_min + coded.reserve_bytes(model, "fixed", torch.device("cuda")) > plain_min
     preset = routes.get("linear").preset_map["one_shot_fast"]
     with pytest.raises(ddo_blocks.BudgetError, match="after the .* of landing buffers the codec needs"):
-        plan.choose(model, plain_min, torch.device("cpu"), 1e10, preset, "auto", reserve=coded_min - plain_min)
+        # the landing buffers fit, the plan's own minimum then does not
+        plan.choose(model, coded_min - plain_min + plain_min // 2, torch.device("cpu"), 1e10, preset, "auto",
+                    reserve=coded_min - plain_min)
     with pytest.raises(ddo_blocks.BudgetError, match="does not even hold"):
         plan.choose(model, 1000, torch.device("cpu"), 1e10, preset, "auto", reserve=4096)
     assert ddo_blocks.get_handle(model) is None

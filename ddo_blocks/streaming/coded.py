@@ -56,15 +56,18 @@ allowance); a chunk that needs more is sent raw."""
 MIN_CODED_VALUES = 4096
 """bf16 tensors smaller than this are sent as they are (their bytes are negligible)."""
 
-LANDING_BUFFERS = (3, 8)
+LANDING_BUFFERS = (3, 64)
 """The fewest and most coded chunks in flight on the device (:func:`landing_count`): copied ahead
 of their decode, as a chunk's copy waits for no slot, only for a landing buffer to be decoded out of."""
 
-LANDING_AHEAD = 0.75
-"""The landing ring holds this fraction of the coded chunks of the largest child unit (each buffer
-one chunk of up to 8 Mi values), so that the link moves most of a unit ahead of the slot it goes to.
-Flux-sized blocks' children have 10-16 chunks: the ring is at its most, 8, half to four fifths of a
-unit."""
+LANDING_AHEAD = 3.0
+"""The landing ring holds this many times the coded chunks of the largest child unit (each buffer
+one chunk of up to 8 Mi values), so that the link moves the next streamed units while the resident
+ones between them compute and the slots they go to are still in use. For Flux-sized blocks (child
+units of up to 12 chunks) that is 34 buffers, 0.43 GiB. Swept on the H200 (Flux-dev-sized, 1024x1024,
+``benchmarks.codec_sweep``, 2026-12-02 run-1): with 8 / 16 / 32 buffers the ``fixed`` step at 8 GiB
+was 1.21 / 1.14 / 1.03x of its compressed bound, at the minimum budget 1.08 / 1.07 / 1.07x (the
+ring is taken from the budget: at 8 GiB the 32 buffers still gave the fastest step)."""
 
 ESCAPE_ALLOWANCE = 32
 """A landing buffer holds a full chunk with one value in this many escaped; a chunk with more

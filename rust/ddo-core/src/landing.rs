@@ -9,9 +9,15 @@
 //! buffer's 64-byte alignment of pieces keeps them aligned), and the batch's buffers are reused
 //! once its last decode ran.
 //!
-//! The raw bytes inside a batch (biases, norms and padding between two coded chunks of a unit, at
-//! most [`MAX_GAP`] at a time) are sent twice: once in the batch, where nothing reads them, and once
-//! straight into the slot as before. [`link_bytes`] counts both.
+//! A unit with coded chunks sends its raw pieces (biases, norms, chunks left raw) through the
+//! landing ring too, as members of the batches: the decode stream copies them from the landing
+//! buffer into the slot (device to device) after its wait for the slot's release. The link then
+//! never waits for a slot, only for landing buffers to be decoded out of, so it moves the next
+//! units while the slots are still in use (on the H200 the copy stream's wait for each slot, which
+//! the raw pieces needed when they went straight into the slot, held the link back behind the
+//! compute at 8 GiB). Only a raw piece larger than a batch goes straight into the slot
+//! ([`direct_pieces`]). The padding between pieces in a batch (at most [`MAX_GAP`] at a time)
+//! crosses the link with it; [`link_bytes`] counts it.
 
 use crate::codec::{CodedUnit, PieceKind};
 use crate::error::{CoreError, Result};
@@ -19,21 +25,23 @@ use crate::error::{CoreError, Result};
 /// Most host bytes between two coded chunks that a batch sends along rather than starting anew.
 pub const MAX_GAP: usize = 64 << 10;
 
-/// Coded chunks of one unit copied together into consecutive landing buffers.
+/// Pieces of one unit (its coded chunks and the raw pieces between them) copied together into
+/// consecutive landing buffers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
-    /// Offset of the copy in the unit's host buffer (its first chunk's).
+    /// Offset of the copy in the unit's host buffer (its first piece's).
     pub src: usize,
-    /// Bytes copied: from the first chunk's start to the last one's end.
+    /// Bytes copied: from the first piece's start to the last one's end.
     pub len: usize,
     /// Landing buffers the copy fills (`len` rounded up to whole buffers).
     pub buffers: usize,
-    /// Indices into the unit's pieces of the coded chunks it carries, in order.
+    /// Indices into the unit's pieces of the pieces it carries (coded and raw), in order.
     pub pieces: Vec<usize>,
 }
 
-/// The batches of `unit`'s coded chunks for landing buffers of `landing_bytes`, each batch at most
-/// `max_buffers` of them. Every coded chunk is in exactly one batch, in piece order.
+/// The batches of `unit`'s pieces for landing buffers of `landing_bytes`, each batch at most
+/// `max_buffers` of them. Every coded chunk is in exactly one batch, and so is every raw piece that
+/// fits a batch, in piece order; a unit without coded chunks has no batch (it is sent raw).
 pub fn landing_batches(
     unit: &CodedUnit,
     landing_bytes: usize,
@@ -47,12 +55,16 @@ pub fn landing_batches(
     }
     let limit = landing_bytes.saturating_mul(max_buffers);
     let mut out: Vec<Batch> = Vec::new();
+    if unit.largest_coded() == 0 {
+        return Ok(out);
+    }
     let mut last_end = 0usize;
     for (i, p) in unit.pieces.iter().enumerate() {
-        if !matches!(p.kind, PieceKind::Coded { .. }) {
-            continue;
+        let coded = matches!(p.kind, PieceKind::Coded { .. });
+        if !coded && p.len > limit {
+            continue; // straight into the slot
         }
-        if p.len > landing_bytes {
+        if coded && p.len > landing_bytes {
             return Err(CoreError::InvalidArgument(format!(
                 "a coded chunk of {} bytes does not fit the {landing_bytes}-byte landing buffers",
                 p.len
@@ -63,7 +75,7 @@ pub fn landing_batches(
         })?;
         if p.src < last_end {
             return Err(CoreError::InvalidArgument(
-                "coded chunks out of host order (a unit's pieces follow its host buffer)".into(),
+                "pieces out of host order (a unit's pieces follow its host buffer)".into(),
             ));
         }
         match out.last_mut() {
@@ -86,15 +98,24 @@ pub fn landing_batches(
     Ok(out)
 }
 
-/// Bytes one fetch of `unit` sends with these batches: its raw pieces and every batch's copy.
+/// Indices into `unit`'s pieces of those no batch carries: raw pieces copied straight into the
+/// slot (all of them for a unit without batches), in order.
+pub fn direct_pieces(unit: &CodedUnit, batches: &[Batch]) -> Vec<usize> {
+    let mut carried = vec![false; unit.pieces.len()];
+    for &i in batches.iter().flat_map(|b| &b.pieces) {
+        carried[i] = true;
+    }
+    (0..unit.pieces.len()).filter(|&i| !carried[i]).collect()
+}
+
+/// Bytes one fetch of `unit` sends with these batches: every batch's copy and the pieces sent
+/// straight into the slot.
 pub fn link_bytes(unit: &CodedUnit, batches: &[Batch]) -> usize {
-    let raw: usize = unit
-        .pieces
-        .iter()
-        .filter(|p| matches!(p.kind, PieceKind::Raw(_)))
-        .map(|p| p.len)
+    let direct: usize = direct_pieces(unit, batches)
+        .into_iter()
+        .map(|i| unit.pieces[i].len)
         .sum();
-    raw + batches.iter().map(|b| b.len).sum::<usize>()
+    direct + batches.iter().map(|b| b.len).sum::<usize>()
 }
 
 #[cfg(test)]
@@ -167,24 +188,32 @@ mod tests {
     }
 
     #[test]
-    fn small_raw_pieces_are_sent_along_and_counted_large_ones_split_the_batch() {
-        let gap = MAX_GAP;
+    fn raw_pieces_that_fit_a_batch_travel_in_it_larger_ones_go_straight_to_the_slot() {
+        let big = 4 * 4096 + 1; // larger than a batch of four 4096-byte buffers
         let u = unit(vec![
-            coded(0, 1000),
-            raw(1024, 64), // a bias: sent along
-            coded(1088, 1000),
-            raw(2112, gap + 1), // a chunk left raw: too far, a new batch
-            coded(2112 + gap + 1 + 63, 1000),
+            raw(0, 100), // a norm before the first chunk: carried
+            coded(128, 1000),
+            raw(1152, 64), // a bias between two chunks: carried
+            coded(1216, 1000),
+            raw(2240, big), // larger than a batch: straight into the slot, and a new batch after it
+            coded(2240 + big + 63, 1000),
         ]);
         let b = landing_batches(&u, 4096, 4).unwrap();
         assert_eq!(b.len(), 2);
         assert_eq!(
             (b[0].src, b[0].len, b[0].buffers, b[0].pieces.clone()),
-            (0, 2088, 1, vec![0, 2])
+            (0, 2216, 1, vec![0, 1, 2, 3])
         );
-        assert_eq!(b[1].pieces, vec![4]);
-        // the bias crosses twice (in the batch and into the slot), the big raw piece once
-        assert_eq!(link_bytes(&u, &b), 64 + gap + 1 + 2088 + 1000);
+        assert_eq!(b[1].pieces, vec![5]);
+        assert_eq!(direct_pieces(&u, &b), vec![4]);
+        // every byte crosses once: the batches and the one raw piece that no batch carries
+        assert_eq!(link_bytes(&u, &b), 2216 + big + 1000);
+        // a unit with no coded chunk has no batch: all of it goes straight into the slot
+        let plain = unit(vec![raw(0, 10), raw(64, 10)]);
+        let none = landing_batches(&plain, 4096, 4).unwrap();
+        assert!(none.is_empty());
+        assert_eq!(direct_pieces(&plain, &none), vec![0, 1]);
+        assert_eq!(link_bytes(&plain, &none), 20);
     }
 
     #[test]

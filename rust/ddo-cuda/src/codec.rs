@@ -758,9 +758,12 @@ impl Drop for DecodeRing {
 pub(crate) struct HostCodedUnit {
     pub unit: CodedUnit,
     pub host: usize,
-    /// The batches of its coded chunks for the transport's ring (empty on the CPU target).
+    /// The batches of its pieces for the transport's ring (empty on the CPU target).
     pub batches: Vec<Batch>,
-    /// Bytes one fetch sends: on the GPU its raw pieces and batches (`ddo_core::landing`), on
+    /// Indices of its pieces that no batch carries, copied straight into the slot on the copy
+    /// stream (`ddo_core::landing::direct_pieces`: every raw piece on the CPU target).
+    pub direct: Vec<usize>,
+    /// Bytes one fetch sends: on the GPU its batches and direct pieces (`ddo_core::landing`), on
     /// the CPU target its host buffer.
     pub link_bytes: usize,
 }
@@ -848,18 +851,24 @@ impl DecodeStage {
         Ok(!self.unit.batches.is_empty())
     }
 
-    /// Queues the decodes of `batch`'s chunks (landed at buffer `k`) into the slot at `base`.
+    /// Queues the decodes of `batch`'s chunks (landed at buffer `k`) into the slot at `base`, and
+    /// the device-to-device copies of its raw pieces.
     fn decode_batch(&self, ring: &DecodeRing, batch: &Batch, k: usize, base: usize) -> Result<()> {
         let pieces = &self.unit.unit.pieces;
         for &j in &batch.pieces {
             let p = &pieces[j];
+            let src = ring.landing[k] + (p.src - batch.src);
             let PieceKind::Coded {
                 values, escapes, ..
             } = p.kind
             else {
+                // SAFETY: the batch holds the piece at its offset once landed[k] completed (the
+                // batch's buffers are consecutive in the ring's one allocation); its bytes go to
+                // its range of the slot, free since the decode stream's wait for the slot's last
+                // consumer, and no other piece writes there.
+                unsafe { crate::job::d2d_async(base + p.dst, src, p.len, ring.decode_stream)? };
                 continue;
             };
-            let src = ring.landing[k] + (p.src - batch.src);
             // SAFETY: the landing buffers hold the batch once landed[k] completed, the chunk at
             // its offset in it (16-byte aligned: pieces are 64-byte aligned in the host buffer);
             // the output is the chunk's range of the slot, 16-byte aligned (the unit layout

@@ -315,8 +315,13 @@ pub(crate) unsafe fn enqueue(
             }
         }
     }
+    let copies: Vec<Span> = copies.into_iter().collect();
+    // An early stage that carries every byte of the job (a coded unit whose pieces all travel in
+    // the landing ring) orders its own slot writes after the slot's release: the copy stream then
+    // waits for no slot, and the link moves the next jobs while this slot is still in use.
+    let slot_waits = early.is_none() || !copies.is_empty();
     // SAFETY: the caller's contract, passed on.
-    let rest = unsafe { enqueue_rest(lane, part, copies) };
+    let rest = unsafe { enqueue_rest(lane, part, copies, slot_waits) };
     if let (Err(_), Some(stage)) = (&rest, early) {
         if let Some(stream) = stage.arrival_stream() {
             let _ = lane.record_arrived_on(slot, stream); // the first error is the one to report
@@ -334,12 +339,15 @@ unsafe fn enqueue_rest(
     lane: &dyn Lane,
     part: Part<'_>,
     copies: impl IntoIterator<Item = Span>,
+    slot_waits: bool,
 ) -> Result<()> {
     let job = part.job;
     let slot = job.sink.slot();
     if part.first {
-        lane.wait_consumed(slot)?;
-        lane.wait_prior_arrival(slot)?;
+        if slot_waits {
+            lane.wait_consumed(slot)?;
+            lane.wait_prior_arrival(slot)?;
+        }
         if let Some(stage) = &job.pre_copy {
             stage.run(lane.stream(), &job.sink)?;
         }
@@ -550,6 +558,29 @@ pub(crate) unsafe fn h2d_async(dst: usize, src: usize, n: usize, stream: Stream)
         code,
         "cuMemcpyHtoDAsync",
         &format!("copying {n} bytes to the GPU"),
+    )
+}
+
+/// Queues a copy of `n` bytes from device address `src` to device address `dst` on `stream`.
+///
+/// # Safety
+/// `src` and `dst` are `n` bytes of device memory of the current context, disjoint, allocated until
+/// the copy completes; nothing else writes `src` or touches `dst` meanwhile; `stream` is a live
+/// stream of the current context (or 0).
+pub(crate) unsafe fn d2d_async(dst: usize, src: usize, n: usize, stream: Stream) -> Result<()> {
+    // SAFETY: the caller upholds the contract above.
+    let code = unsafe {
+        sys::cuMemcpyDtoDAsync_v2(
+            dst as sys::CUdeviceptr,
+            src as sys::CUdeviceptr,
+            n,
+            stream.raw(),
+        )
+    };
+    check(
+        code,
+        "cuMemcpyDtoDAsync",
+        &format!("copying {n} bytes on the GPU"),
     )
 }
 
@@ -983,6 +1014,63 @@ pub(crate) mod tests {
             rec.ops(),
             [Op::Wait(1), Op::Pre(1), Op::Post(1), Op::ArrivedOn(1, 7)]
         );
+    }
+
+    #[test]
+    fn an_early_stage_that_carries_every_byte_leaves_the_copy_stream_free_of_slot_waits() {
+        // a coded unit whose raw pieces travel in the landing ring too: the stage's stream waits
+        // for the slot, the copy stream waits for nothing, so the next job's early copies are not
+        // held behind this slot's consumer
+        let rec = Recorder::default();
+        let mut dst = [0u8; 8];
+        let mut job = Job::new(
+            Source::Host { src: 0, n: 0 },
+            Sink::Slot {
+                slot: 3,
+                dst: dst.as_mut_ptr() as usize,
+            },
+        );
+        job.post_copy = Some(Arc::new(Early {
+            log: Arc::clone(&rec.log),
+        }));
+        // SAFETY: no copy.
+        unsafe { enqueue(&rec, Part::whole(&job), []) }.unwrap();
+        assert_eq!(
+            rec.ops(),
+            [
+                Op::WaitOn(3, 7),
+                Op::Early(3),
+                Op::Post(3),
+                Op::ArrivedOn(3, 7)
+            ]
+        );
+        // twice in a row into the same slot: still no wait on the copy stream (the stage's stream
+        // orders its own writes after the previous ones)
+        rec.log.lock().unwrap().clear();
+        // SAFETY: no copy.
+        unsafe { enqueue(&rec, Part::whole(&job), []) }.unwrap();
+        assert!(!rec
+            .ops()
+            .iter()
+            .any(|op| matches!(op, Op::Wait(_) | Op::WaitPriorArrival(_))));
+        // a plain job after it waits for the slot and for that arrival on the other stream
+        let src = [1u8; 8];
+        let plain = Job::new(
+            Source::Host { src: 0, n: 0 },
+            Sink::Slot {
+                slot: 3,
+                dst: dst.as_mut_ptr() as usize,
+            },
+        );
+        rec.log.lock().unwrap().clear();
+        let copy = Span {
+            offset: 0,
+            src: src.as_ptr() as usize,
+            len: 8,
+        };
+        // SAFETY: `src` and `dst` are 8 live, disjoint bytes.
+        unsafe { enqueue(&rec, Part::whole(&plain), [copy]) }.unwrap();
+        assert_eq!(rec.ops()[..2], [Op::Wait(3), Op::WaitPriorArrival(3)]);
     }
 
     #[test]

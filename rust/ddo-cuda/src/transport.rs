@@ -345,10 +345,12 @@ impl Transport {
             Target::Cuda { .. } => ddo_core::landing::link_bytes(&unit, &batches),
             Target::Cpu => unit.nbytes,
         };
+        let direct = ddo_core::landing::direct_pieces(&unit, &batches);
         self.coded_units.push(Arc::new(HostCodedUnit {
             unit,
             host,
             batches,
+            direct,
             link_bytes,
         }));
         Ok(self.coded_units.len() - 1)
@@ -399,9 +401,9 @@ impl Transport {
         self.stats.fetches += 1;
         self.stats.bytes = self.stats.bytes.saturating_add(cu.link_bytes as u64);
         let copies: Vec<Span> = cu
-            .unit
-            .pieces
+            .direct
             .iter()
+            .map(|&i| &cu.unit.pieces[i])
             .filter(|p| matches!(p.kind, ddo_core::codec::PieceKind::Raw(_)))
             .map(|p| Span {
                 offset: p.dst,
