@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="min,8", help="'min' or GiB, comma-separated (default min,8)")
     p.add_argument("--codecs", default="off,fixed,tiered")
     p.add_argument("--rings", default="0", help="landing buffers per coded row, comma-separated; 0: the default")
+    p.add_argument("--rows", default=None,
+                   help="explicit rows instead of the cross product: BUDGET:CODEC[:RING[:replan]], comma-separated "
+                        "(e.g. 8:fixed:64,16:tiered:0:replan); replan: handle.replan() after two calls")
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda")
@@ -99,70 +102,85 @@ def main(argv: list[str] | None = None) -> int:
     link = _link_gb_s(dev) * 1e9 if cuda else None
     print(f"built in {build_s:.1f} s; resident step {resident_s:.4f} s; link {f'{link / 1e9:.2f} GB/s' if link else '-'}", flush=True)
 
+    if args.rows:
+        specs = []
+        for text in args.rows.split(","):
+            parts = text.split(":")
+            specs.append((parts[0], parts[1], int(parts[2]) if len(parts) > 2 else 0,
+                          len(parts) > 3 and parts[3] == "replan"))
+    else:
+        specs = [(b, c, ring, False) for b in args.budgets.split(",") for c in args.codecs.split(",")
+                 for ring in ([0] if c == "off" else [int(r) for r in args.rings.split(",")])]
     default_buffers, default_ahead = coded.LANDING_BUFFERS, coded.LANDING_AHEAD
     rows: list[dict[str, Any]] = []
-    for budget_text in args.budgets.split(","):
-        for codec in args.codecs.split(","):
-            for ring in ([0] if codec == "off" else [int(r) for r in args.rings.split(",")]):
-                coded.LANDING_BUFFERS, coded.LANDING_AHEAD = ((ring, ring), 1e9) if ring else (default_buffers,
-                                                                                                 default_ahead)
-                row: dict[str, Any] = {"budget": budget_text, "codec": codec, "ring": ring or "default"}
-                handle = None
-                try:
-                    if budget_text == "min":
-                        budget = ddo_blocks.minimum_budget(model)
-                        if codec != "off":
-                            budget += coded.reserve_bytes(model, codec, dev)
-                    else:
-                        budget = int(float(budget_text) * (1 << 30))
-                    opts = {"codec": codec} if codec != "off" else {}
+    for budget_text, codec, ring, replan in specs:
+        coded.LANDING_BUFFERS, coded.LANDING_AHEAD = ((ring, ring), 1e9) if ring else (default_buffers,
+                                                                                         default_ahead)
+        row: dict[str, Any] = {"budget": budget_text, "codec": codec, "ring": ring or "default",
+                               "replan": replan}
+        handle = None
+        try:
+            if budget_text == "min":
+                budget = ddo_blocks.minimum_budget(model)
+                if codec != "off":
+                    budget += coded.reserve_bytes(model, codec, dev)
+            else:
+                budget = int(float(budget_text) * (1 << 30))
+            opts = {"codec": codec} if codec != "off" else {}
+            t = time.perf_counter()
+            handle = ddo_blocks.offload(model, preset="one_shot_fast", vram_budget=budget, device=dev,
+                                        component="transformer", **opts)
+            row["setup_s"] = time.perf_counter() - t
+            with torch.no_grad():
+                timed(3)
+                if replan:
                     t = time.perf_counter()
-                    handle = ddo_blocks.offload(model, preset="one_shot_fast", vram_budget=budget, device=dev,
-                                                component="transformer", **opts)
-                    row["setup_s"] = time.perf_counter() - t
-                    with torch.no_grad():
-                        timed(3)
-                        times, out = timed(args.repeats)
-                    row["step_s"] = statistics.median(times)
-                    row["exact"] = bool(torch.equal(out, ref))
-                    del out
-                    rep = handle.report().to_dict()
-                    plan, cod = rep.get("plan", {}), rep.get("codec") or {}
-                    streamed = plan.get("streamed_bytes") or 0
-                    link_bytes = cod.get("link_call_bytes") or streamed
-                    row.update(streamed_bytes=streamed, link_bytes=link_bytes, slots=plan.get("slots"),
-                               landing_buffers=cod.get("landing_buffers"), ratio=cod.get("ratio"),
-                               decode_gb_s=cod.get("decode_gb_s"), decode_s=cod.get("decode_s_per_call"))
-                    if link:
-                        row["roofline_s"] = max(resident_s, streamed / link)
-                        row["bound_s"] = max(link_bytes / link, resident_s + (row["decode_s"] or 0.0))
-                        row["step_per_roofline"] = row["step_s"] / row["roofline_s"]
-                        row["step_per_bound"] = row["step_s"] / row["bound_s"]
-                    t = time.perf_counter()
-                    handle.remove()
-                    handle = None
-                    row["remove_s"] = time.perf_counter() - t
-                except Exception as exc:  # noqa: BLE001 - a row that fails is a row that says why
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-                finally:
-                    if handle is not None:
-                        handle.remove()
-                    coded.LANDING_BUFFERS, coded.LANDING_AHEAD = default_buffers, default_ahead
-                    if cuda:
-                        torch.cuda.empty_cache()
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+                    row["replanned"] = handle.replan()
+                    row["replan_s"] = time.perf_counter() - t
+                    timed(3)
+                times, out = timed(args.repeats)
+            row["step_s"] = statistics.median(times)
+            row["exact"] = bool(torch.equal(out, ref))
+            del out
+            rep = handle.report().to_dict()
+            plan, cod = rep.get("plan", {}), rep.get("codec") or {}
+            streamed = plan.get("streamed_bytes") or 0
+            link_bytes = cod.get("link_call_bytes") or streamed
+            row.update(streamed_bytes=streamed, link_bytes=link_bytes, slots=plan.get("slots"),
+                       landing_buffers=cod.get("landing_buffers"), ratio=cod.get("ratio"),
+                       decode_gb_s=cod.get("decode_gb_s"), decode_s=cod.get("decode_s_per_call"))
+            if link:
+                row["roofline_s"] = max(resident_s, streamed / link)
+                row["bound_s"] = max(link_bytes / link, resident_s + (row["decode_s"] or 0.0))
+                row["step_per_roofline"] = row["step_s"] / row["roofline_s"]
+                row["step_per_bound"] = row["step_s"] / row["bound_s"]
+            t = time.perf_counter()
+            handle.remove()
+            handle = None
+            row["remove_s"] = time.perf_counter() - t
+        except Exception as exc:  # noqa: BLE001 - a row that fails is a row that says why
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        finally:
+            if handle is not None:
+                handle.remove()
+            coded.LANDING_BUFFERS, coded.LANDING_AHEAD = default_buffers, default_ahead
+            if cuda:
+                torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
 
     uncompressed = {r["budget"]: r.get("step_s") for r in rows if r["codec"] == "off"}
     lines = ["| budget | codec | ring | slots | step s | / uncompressed | / roofline | / compressed bound | link GB/call "
              "| setup s | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("replan"):
+            r["codec_label"] = f"{r['codec']}+replan ({'re-planned' if r.get('replanned') else 'plan kept'})"
         if "error" in r:
             lines.append(f"| {r['budget']} | {r['codec']} | {r['ring']} | - | error: {r['error']} | | | | | | |")
             continue
         base = uncompressed.get(r["budget"])
         lines.append(
-            f"| {r['budget']} | {r['codec']} | {r['ring']} ({r.get('landing_buffers') or 0}) | {r.get('slots')} "
+            f"| {r['budget']} | {r.get('codec_label', r['codec'])} | {r['ring']} ({r.get('landing_buffers') or 0}) | {r.get('slots')} "
             f"| {r['step_s']:.4f} | {r['step_s'] / base:.3f} | {r.get('step_per_roofline', float('nan')):.3f} "
             f"| {r.get('step_per_bound', float('nan')):.3f} | {r['link_bytes'] / 1e9:.2f} | {r['setup_s']:.1f} "
             f"| {r['exact']} |" if base else f"| {r['budget']} | {r['codec']} | {r['ring']} | {r['step_s']:.4f} |")
