@@ -282,6 +282,22 @@ def test_graph_host_benchmark_runs_on_the_cpu(tmp_path):
     assert "function calls" in (tmp_path / "graph_host.txt").read_text()
 
 
+def test_codec_sweep_runs_its_rows_on_the_cpu(tmp_path):
+    from benchmarks import codec_sweep
+
+    rows = "min:off,min:fixed:4,min:tiered:0:replan"
+    assert codec_sweep.main(["--device", "cpu", "--rows", rows, "--repeats", "1", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "codec_sweep.json").read_text())
+    got = {(r["codec"], r["ring"], r["replan"]): r for r in doc["rows"]}
+    assert set(got) == {("off", "default", False), ("fixed", 4, False), ("tiered", "default", True)}
+    assert all("error" not in r and r["exact"] for r in doc["rows"]), doc["rows"]
+    off = got[("off", "default", False)]
+    for key in (("fixed", 4, False), ("tiered", "default", True)):  # the codecs send fewer bytes
+        assert got[key]["link_bytes"] < off["link_bytes"] == off["streamed_bytes"]
+    assert got[("tiered", "default", True)]["replanned"] in (True, False)
+    assert "| min | fixed | 4 (" in (tmp_path / "codec_sweep.md").read_text()
+
+
 def test_staging_sweep_says_it_needs_cuda_without_one(capsys):
     import torch
 
