@@ -735,11 +735,16 @@ mod tests {
             let t = Instant::now();
             codec::encode_chunk(&v, n_esc, &mut fixed_out).unwrap();
             let fixed_enc_s = t.elapsed().as_secs_f64();
+            let mut fixed_back = vec![0u16; n];
+            let t = Instant::now();
+            codec::decode_chunk(&fixed_out, n_esc, &mut fixed_back).unwrap();
+            let fixed_dec_s = t.elapsed().as_secs_f64();
+            assert_eq!(fixed_back, v);
             let gb = (2 * n) as f64 / 1e9;
             println!(
                 "normal(0, {sigma}), {n} values: tiered {:.4} of bf16 ({} tier-2 groups, {} escapes), fixed {:.4}; \
                  one thread: count {:.2} GB/s, encode {:.2} GB/s, decode {:.2} GB/s of bf16 \
-                 (fixed: count {:.2} GB/s, encode {:.2} GB/s)",
+                 (fixed: count {:.2} GB/s, encode {:.2} GB/s, decode {:.2} GB/s)",
                 lay.nbytes as f64 / (2 * n) as f64,
                 total.groups,
                 total.escapes,
@@ -748,7 +753,8 @@ mod tests {
                 gb / enc_s,
                 gb / dec_s,
                 gb / fixed_count_s,
-                gb / fixed_enc_s
+                gb / fixed_enc_s,
+                gb / fixed_dec_s
             );
         }
     }
