@@ -328,44 +328,60 @@ pub fn decode_chunk(coded: &[u8], n_esc: usize, out: &mut [u16]) -> Result<()> {
             coded.len()
         )));
     }
-    let esc_at = |k: usize| {
-        let b = &coded[lay.escapes + 4 * k..lay.escapes + 4 * k + 4];
-        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
-    };
-    let mut next_esc = 0usize;
-    for (b, block) in out.chunks_mut(BLOCK).enumerate() {
-        let base = u16::from(coded[lay.bases + b]);
+    // the sections as slices of exactly their length, so the loop below indexes without checks
+    let bases = &coded[lay.bases..lay.bases + n.div_ceil(BLOCK)];
+    let signs = &coded[lay.signs..lay.signs + n];
+    let codes = &coded[lay.codes..lay.codes + n.div_ceil(2)];
+    let mut escaped = 0usize; // codes that say ESCAPE: the escape list fills them in below
+    for (b, ((block, base), (s, c))) in out
+        .chunks_mut(BLOCK)
+        .zip(bases)
+        .zip(signs.chunks(BLOCK).zip(codes.chunks(BLOCK / 2)))
+        .enumerate()
+    {
+        let base = u16::from(*base);
         if !(1..=255 - WINDOW).contains(&base) {
             return Err(corrupt(format!("block {b} has base exponent {base}")));
         }
-        let first = b * BLOCK;
-        for (k, slot) in block.iter_mut().enumerate() {
-            let i = first + k;
-            let sm = u16::from(coded[lay.signs + i]);
-            let code = (coded[lay.codes + i / 2] >> (4 * (i % 2))) & 0xf;
-            let e = match code {
-                0 => 0,
-                ESCAPE => {
-                    if next_esc >= n_esc {
-                        return Err(corrupt(format!("value {i} escapes past the escape list")));
-                    }
-                    let entry = esc_at(next_esc);
-                    if (entry >> 8) as usize != i {
-                        return Err(corrupt(format!(
-                            "escape {next_esc} is for value {}, expected {i}",
-                            entry >> 8
-                        )));
-                    }
-                    next_esc += 1;
-                    (entry & 0xff) as u16
-                }
-                c => base + u16::from(c) - 1,
-            };
-            *slot = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7f);
+        // exponent of each 4-bit code, shifted into place: 0 zero/subnormal, 1..=14 the window,
+        // ESCAPE a placeholder (0) the escape list overwrites
+        let mut lut = [0u16; 16];
+        for (code, e) in lut.iter_mut().enumerate().take(usize::from(ESCAPE)).skip(1) {
+            *e = (base + code as u16 - 1) << 7;
+        }
+        for ((pair, sm), &byte) in block.chunks_mut(2).zip(s.chunks(2)).zip(c) {
+            let lo = usize::from(byte & 0xf);
+            let hi = usize::from(byte >> 4);
+            escaped += usize::from(lo == usize::from(ESCAPE));
+            let v0 = u16::from(sm[0]);
+            pair[0] = ((v0 & 0x80) << 8) | lut[lo] | (v0 & 0x7f);
+            if let (Some(out1), Some(&s1)) = (pair.get_mut(1), sm.get(1)) {
+                escaped += usize::from(hi == usize::from(ESCAPE));
+                let v1 = u16::from(s1);
+                *out1 = ((v1 & 0x80) << 8) | lut[hi] | (v1 & 0x7f);
+            }
         }
     }
-    if next_esc != n_esc {
-        return Err(corrupt(format!("{n_esc} escapes listed, {next_esc} used")));
+    if escaped != n_esc {
+        return Err(corrupt(format!("{n_esc} escapes listed, {escaped} used")));
+    }
+    // the escapes, in value order, each at a value whose code says ESCAPE: with the counts equal
+    // above, the list and the escape codes match one to one
+    let mut last = None;
+    for (k, entry) in coded[lay.escapes..lay.escapes + 4 * n_esc]
+        .chunks_exact(4)
+        .enumerate()
+    {
+        let entry = u32::from_le_bytes([entry[0], entry[1], entry[2], entry[3]]);
+        let i = (entry >> 8) as usize;
+        let code = codes.get(i / 2).map(|b| (b >> (4 * (i % 2))) & 0xf);
+        if i >= n || code != Some(ESCAPE) || last.is_some_and(|l| i <= l) {
+            return Err(corrupt(format!(
+                "escape {k} is for value {i}, which is not the next escaped value"
+            )));
+        }
+        last = Some(i);
+        out[i] = (out[i] & 0x807f) | (((entry & 0xff) as u16) << 7);
     }
     Ok(())
 }
@@ -844,6 +860,34 @@ mod tests {
         assert!(decode_chunk(&bad, n_esc, &mut out).is_err());
         let too_many = vec![0u16; CHUNK_ELEMS + 1];
         assert!(encode_chunk(&too_many, 0, &mut []).is_err());
+    }
+
+    #[test]
+    fn any_corrupt_byte_decodes_to_an_error_or_a_value_never_a_panic() {
+        // every byte of a chunk with escapes, each set to a few values: the decoder either refuses
+        // the chunk or returns values, never panics; a block's base set out of range is refused
+        let mut v = normal_bf16(1500, 1.0, 7);
+        v[3] = 0x7f80; // an escaped exponent
+        v[1001] = 0x0080; // the smallest normal: far below the window
+        let n_esc = count_escapes(&v);
+        assert!(n_esc >= 2);
+        let lay = chunk_layout(v.len(), n_esc);
+        let mut coded = vec![0u8; lay.nbytes];
+        encode_chunk(&v, n_esc, &mut coded).unwrap();
+        let mut out = vec![0u16; v.len()];
+        for at in 0..coded.len() {
+            for x in [0u8, 0x0f, 0xf0, 0xff, coded[at] ^ 0x10] {
+                let mut bad = coded.clone();
+                bad[at] = x;
+                let ok = decode_chunk(&bad, n_esc, &mut out).is_ok();
+                if ok && bad[at] != coded[at] && at < v.len().div_ceil(BLOCK) {
+                    assert!(
+                        (1..=255 - WINDOW).contains(&u16::from(x)),
+                        "base byte {at} = {x}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

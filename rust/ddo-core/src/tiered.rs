@@ -480,68 +480,88 @@ pub fn decode_chunk(coded: &[u8], counts: Counts, out: &mut [u16]) -> Result<()>
             coded.len()
         )));
     }
-    let u32_at =
-        |at: usize| u32::from_le_bytes([coded[at], coded[at + 1], coded[at + 2], coded[at + 3]]);
-    let (mut group, mut esc) = (0usize, 0usize);
-    for (b, block) in out.chunks_mut(BLOCK).enumerate() {
-        let offset = u32_at(lay.offsets + 4 * b) as usize;
+    let nb = n.div_ceil(BLOCK);
+    // the sections as slices of exactly their length: the loops below index without checks
+    let offsets = &coded[lay.offsets..lay.offsets + 4 * nb];
+    let params = &coded[lay.params..lay.params + 2 * nb];
+    let signs = &coded[lay.signs..lay.signs + n];
+    let tier1 = &coded[lay.tier1..lay.tier1 + n.div_ceil(4)];
+    let tier2 = &coded[lay.tier2..lay.tier2 + 3 * counts.groups];
+    let mut at = [0u16; BLOCK]; // a block's values that read tier 2, in order
+    let mut escaped: Vec<usize> = Vec::new(); // values whose tier-2 code is an escape, in order
+    let mut group = 0usize;
+    for (b, (block, (s, t1))) in out
+        .chunks_mut(BLOCK)
+        .zip(signs.chunks(BLOCK).zip(tier1.chunks(BLOCK / 4)))
+        .enumerate()
+    {
+        let o = &offsets[4 * b..4 * b + 4];
+        let offset = u32::from_le_bytes([o[0], o[1], o[2], o[3]]) as usize;
         if offset != group {
             return Err(corrupt(format!(
                 "block {b} starts its tier-2 codes at group {offset}, expected {group}"
             )));
         }
         let p = Params {
-            b1: u16::from(coded[lay.params + 2 * b]),
-            k: u16::from(coded[lay.params + 2 * b + 1]),
+            b1: u16::from(params[2 * b]),
+            k: u16::from(params[2 * b + 1]),
         };
         if !Params::valid(p.b1, p.k) {
             return Err(corrupt(format!("block {b} has b1 = {}, k = {}", p.b1, p.k)));
         }
-        let mut t2 = 0usize; // tier-2 codes of this block so far
-        for (j, slot) in block.iter_mut().enumerate() {
-            let i = b * BLOCK + j;
-            let sm = u16::from(coded[lay.signs + i]);
-            let c1 = u16::from((coded[lay.tier1 + i / 4] >> (2 * (i % 4))) & 3);
-            let e = if c1 != T1_NEXT {
-                p.b1 + c1
-            } else {
-                let g = group + t2 / GROUP;
-                if g >= counts.groups {
-                    return Err(corrupt(format!(
-                        "value {i} reads tier-2 group {g} of {}",
-                        counts.groups
-                    )));
-                }
-                let word = u32::from(coded[lay.tier2 + 3 * g])
-                    | (u32::from(coded[lay.tier2 + 3 * g + 1]) << 8)
-                    | (u32::from(coded[lay.tier2 + 3 * g + 2]) << 16);
-                let c2 = ((word >> (3 * (t2 % GROUP))) & 7) as u16;
-                t2 += 1;
-                if c2 != T2_ESCAPE {
-                    p.tier2_exponent(c2)
-                } else {
-                    if esc >= counts.escapes {
-                        return Err(corrupt(format!("value {i} escapes past the escape list")));
-                    }
-                    let entry = u32_at(lay.escapes + 4 * esc);
-                    if (entry >> 8) as usize != i {
-                        return Err(corrupt(format!(
-                            "escape {esc} is for value {}, expected {i}",
-                            entry >> 8
-                        )));
-                    }
-                    esc += 1;
-                    (entry & 0xff) as u16
-                }
-            };
-            *slot = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7f);
+        // pass 1: sign, mantissa and the tier-1 exponent of every value (0 where tier 2 decides),
+        // and which values read tier 2
+        let lut1 = [p.b1 << 7, (p.b1 + 1) << 7, (p.b1 + 2) << 7, 0];
+        let mut t2 = 0usize;
+        for (j, (v, &sm)) in block.iter_mut().zip(s).enumerate() {
+            let c1 = usize::from((t1[j / 4] >> (2 * (j % 4))) & 3);
+            let sm = u16::from(sm);
+            *v = ((sm & 0x80) << 8) | lut1[c1] | (sm & 0x7f);
+            at[t2] = j as u16;
+            t2 += usize::from(c1 == usize::from(T1_NEXT));
         }
-        group += t2.div_ceil(GROUP);
+        // pass 2: their tier-2 codes, GROUP to a 24-bit word
+        let groups = t2.div_ceil(GROUP);
+        if group + groups > counts.groups {
+            return Err(corrupt(format!(
+                "block {b} reads tier-2 groups up to {} of {}",
+                group + groups,
+                counts.groups
+            )));
+        }
+        let mut lut2 = [0u16; 8];
+        for (c, e) in lut2.iter_mut().enumerate().take(usize::from(T2_ESCAPE)) {
+            *e = p.tier2_exponent(c as u16) << 7;
+        }
+        for (g, idx) in at[..t2].chunks(GROUP).enumerate() {
+            let w = &tier2[3 * (group + g)..3 * (group + g) + 3];
+            let word = u32::from(w[0]) | (u32::from(w[1]) << 8) | (u32::from(w[2]) << 16);
+            for (q, &j) in idx.iter().enumerate() {
+                let c2 = ((word >> (3 * q)) & 7) as usize;
+                block[usize::from(j)] |= lut2[c2];
+                if c2 == usize::from(T2_ESCAPE) {
+                    escaped.push(b * BLOCK + usize::from(j));
+                }
+            }
+        }
+        group += groups;
     }
-    if group != counts.groups || esc != counts.escapes {
+    if group != counts.groups || escaped.len() != counts.escapes {
         return Err(corrupt(format!(
-            "{counts:?} listed, {group} groups and {esc} escapes used"
+            "{counts:?} listed, {group} groups and {} escapes used",
+            escaped.len()
         )));
+    }
+    let list = &coded[lay.escapes..lay.escapes + 4 * counts.escapes];
+    for (k, (entry, &i)) in list.chunks_exact(4).zip(&escaped).enumerate() {
+        let entry = u32::from_le_bytes([entry[0], entry[1], entry[2], entry[3]]);
+        if (entry >> 8) as usize != i {
+            return Err(corrupt(format!(
+                "escape {k} is for value {}, expected {i}",
+                entry >> 8
+            )));
+        }
+        out[i] |= ((entry & 0xff) as u16) << 7;
     }
     Ok(())
 }
@@ -664,6 +684,29 @@ mod tests {
     }
 
     #[test]
+    fn any_corrupt_byte_decodes_to_an_error_or_a_value_never_a_panic() {
+        let mut v = normal(1300, 1.0, 4);
+        v[5] = 0x7f80; // escapes
+        v[700] = 0x0001;
+        let subs = count_subs(&v);
+        let total = subs.iter().fold(Counts::default(), |a, &b| a + b);
+        assert!(total.escapes >= 2 && total.groups > 0);
+        let lay = tiered_layout(v.len(), total);
+        let mut coded = vec![0u8; lay.nbytes];
+        encode_chunk(&v, &subs, &mut coded).unwrap();
+        let mut back = vec![0u16; v.len()];
+        decode_chunk(&coded, total, &mut back).unwrap();
+        assert_eq!(back, v);
+        for at in 0..coded.len() {
+            for x in [0u8, 0x03, 0x30, 0xff, coded[at] ^ 0x04] {
+                let mut bad = coded.clone();
+                bad[at] = x;
+                let _ = decode_chunk(&bad, total, &mut back); // Ok or Err, never a panic
+            }
+        }
+    }
+
+    #[test]
     fn layout_sections_are_aligned_and_worth_coding_says_when_to_send_raw() {
         let lay = tiered_layout(
             1001,
@@ -722,10 +765,19 @@ mod tests {
             let t = Instant::now();
             super::encode_chunk(&v, &subs, &mut out).unwrap();
             let enc_s = t.elapsed().as_secs_f64();
+            // decodes into touched memory, the fastest of three (the first write of fresh
+            // memory adds its page faults, which remove() pays once)
             let mut back = vec![0u16; n];
-            let t = Instant::now();
-            super::decode_chunk(&out, total, &mut back).unwrap();
-            let dec_s = t.elapsed().as_secs_f64();
+            let best = |f: &mut dyn FnMut()| {
+                (0..3)
+                    .map(|_| {
+                        let t = Instant::now();
+                        f();
+                        t.elapsed().as_secs_f64()
+                    })
+                    .fold(f64::INFINITY, f64::min)
+            };
+            let dec_s = best(&mut || super::decode_chunk(&out, total, &mut back).unwrap());
             assert_eq!(back, v);
             let t = Instant::now();
             let n_esc = codec::count_escapes(&v);
@@ -736,9 +788,8 @@ mod tests {
             codec::encode_chunk(&v, n_esc, &mut fixed_out).unwrap();
             let fixed_enc_s = t.elapsed().as_secs_f64();
             let mut fixed_back = vec![0u16; n];
-            let t = Instant::now();
-            codec::decode_chunk(&fixed_out, n_esc, &mut fixed_back).unwrap();
-            let fixed_dec_s = t.elapsed().as_secs_f64();
+            let fixed_dec_s =
+                best(&mut || codec::decode_chunk(&fixed_out, n_esc, &mut fixed_back).unwrap());
             assert_eq!(fixed_back, v);
             let gb = (2 * n) as f64 / 1e9;
             println!(
