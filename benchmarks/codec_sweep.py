@@ -148,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             link_bytes = cod.get("link_call_bytes") or streamed
             row.update(streamed_bytes=streamed, link_bytes=link_bytes, slots=plan.get("slots"),
                        landing_buffers=cod.get("landing_buffers"), ratio=cod.get("ratio"),
-                       decode_gb_s=cod.get("decode_gb_s"), decode_s=cod.get("decode_s_per_call"))
+                       decode_gb_s=cod.get("decode_gb_s"), decode_s=cod.get("decode_s_per_call"),
+                       predicted_step_s=plan.get("predicted_step_s"),
+                       measured_plan_gain=plan.get("measured_plan_gain"),
+                       measured_plan_coded_fraction=plan.get("measured_plan_coded_fraction"),
+                       setup_phases={k: v for k, v in (rep.get("setup") or {}).items() if k.endswith("_s")})
             if link:
                 row["roofline_s"] = max(resident_s, streamed / link)
                 row["bound_s"] = max(link_bytes / link, resident_s + (row["decode_s"] or 0.0))
