@@ -27,24 +27,6 @@ from pathlib import Path
 from typing import Any
 
 
-def _link_gb_s(dev: Any, nbytes: int = 1 << 30, reps: int = 5) -> float:
-    import torch
-
-    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
-    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    stream = torch.cuda.current_stream(dev)
-    gpu.copy_(pinned, non_blocking=True)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        gpu.copy_(pinned, non_blocking=True)
-        b.record(stream)
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return nbytes / statistics.median(times) / 1e9
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.codec_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="min,8", help="'min' or GiB, comma-separated (default min,8)")
@@ -65,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddo_blocks.streaming import coded
 
     from .model import FLUX_DEV, TINY, make_inputs, random_model
+    from .worker import measure_bandwidth
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu for a dry run)", file=sys.stderr)
@@ -99,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = ref.clone()
         model.to("cpu")
     torch.cuda.empty_cache() if cuda else None
-    link = _link_gb_s(dev) * 1e9 if cuda else None
+    link = measure_bandwidth(dev, 1 << 30, [])["pinned_h2d_gb_s"] * 1e9 if cuda else None
     print(f"built in {build_s:.1f} s; resident step {resident_s:.4f} s; link {f'{link / 1e9:.2f} GB/s' if link else '-'}", flush=True)
 
     if args.rows:

@@ -903,21 +903,21 @@ pub(crate) mod tests {
         }
     }
 
+    /// A job into `slot` at `dst` whose post-copy stage is [`Early`], logging to `rec`.
+    fn early_job(rec: &Recorder, slot: usize, dst: usize) -> Job {
+        let mut job = Job::new(Source::Host { src: 0, n: 0 }, Sink::Slot { slot, dst });
+        job.post_copy = Some(Arc::new(Early {
+            log: Arc::clone(&rec.log),
+        }));
+        job
+    }
+
     #[test]
     fn an_early_stage_queues_before_the_slot_wait_and_orders_its_stream_after_the_slot() {
         let rec = Recorder::default();
         let src = [5u8; 8];
         let mut dst = [0u8; 8];
-        let mut job = Job::new(
-            Source::Host { src: 0, n: 0 },
-            Sink::Slot {
-                slot: 2,
-                dst: dst.as_mut_ptr() as usize,
-            },
-        );
-        job.post_copy = Some(Arc::new(Early {
-            log: Arc::clone(&rec.log),
-        }));
+        let mut job = early_job(&rec, 2, dst.as_mut_ptr() as usize);
         let copy = Span {
             offset: 0,
             src: src.as_ptr() as usize,
@@ -1023,16 +1023,7 @@ pub(crate) mod tests {
         // held behind this slot's consumer
         let rec = Recorder::default();
         let mut dst = [0u8; 8];
-        let mut job = Job::new(
-            Source::Host { src: 0, n: 0 },
-            Sink::Slot {
-                slot: 3,
-                dst: dst.as_mut_ptr() as usize,
-            },
-        );
-        job.post_copy = Some(Arc::new(Early {
-            log: Arc::clone(&rec.log),
-        }));
+        let job = early_job(&rec, 3, dst.as_mut_ptr() as usize);
         // SAFETY: no copy.
         unsafe { enqueue(&rec, Part::whole(&job), []) }.unwrap();
         assert_eq!(
