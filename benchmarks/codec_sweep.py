@@ -12,8 +12,8 @@ uncompressed row's budget plus its landing buffers (the same plan, as ``benchmar
 Per row: the step (median of ``--repeats`` after three warm-up calls: the order, the calibration,
 one steady call), the link bytes per call, the roofline ``max(resident step, streamed / link)`` and
 the compressed bound ``max(link bytes / link, resident step + decoded bytes / decode rate)``, the
-setup, and whether the output is ``torch.equal`` to the resident one. Writes ``codec_sweep.json``
-and ``codec_sweep.md``. Needs CUDA (``--device cpu`` runs the same rows on a tiny model: a dry run).
+setup, and whether the output is ``torch.equal`` to the resident one. Writes ``codec_sweep.json``,
+``codec_sweep.md`` and ``codec_sweep.png`` (``--replot JSON`` draws the plot of an earlier run). Needs CUDA (``--device cpu`` runs the same rows on a tiny model: a dry run).
 """
 
 from __future__ import annotations
@@ -25,6 +25,43 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Each row's step as a bar (grouped by budget), the uncompressed roofline of its plan as a dashed
+    line and a coded row's compressed bound as a red one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    rows = [r for r in doc["rows"] if "error" not in r]
+    colors = {"off": "tab:gray", "fixed": "tab:blue", "tiered": "tab:green"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4.2))
+    x, ticks, labels = 0.0, [], []
+    for budget in dict.fromkeys(r["budget"] for r in rows):
+        for r in (r for r in rows if r["budget"] == budget):
+            ax.bar(x, r["step_s"], width=0.8, color=colors.get(r["codec"], "tab:purple"))
+            if r.get("roofline_s"):
+                ax.hlines(r["roofline_s"], x - 0.4, x + 0.4, colors="k", linestyles="--")
+            if r.get("bound_s") and r["codec"] != "off":
+                ax.hlines(r["bound_s"], x - 0.4, x + 0.4, colors="tab:red")
+            ring = "" if r["codec"] == "off" or r["ring"] == "default" else f" r{r['ring']}"
+            labels.append(f"{budget}\n{r['codec']}{ring}{'+rp' if r.get('replan') else ''}")
+            ticks.append(x)
+            x += 1
+        x += 0.6
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_ylabel("step s (median)")
+    ax.set_title(f"codec rows, {doc.get('device', '')}: resident step {doc['resident_step_s']:.3f} s", fontsize=10)
+    ax.legend(handles=[*(Patch(color=c, label=k) for k, c in colors.items()),
+                       Line2D([], [], color="k", ls="--", label="roofline (uncompressed)"),
+                       Line2D([], [], color="tab:red", label="compressed bound")], fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--replot", type=Path, default=None,
+                   help="draw codec_sweep.png from an earlier run's codec_sweep.json (next to it) and stop")
     args = p.parse_args(argv)
+    if args.replot is not None:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return 0
 
     import torch
 
@@ -182,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "codec_sweep.json").write_text(json.dumps(doc, indent=1))
         (args.out / "codec_sweep.md").write_text(table + "\n")
+        plot(doc, args.out / "codec_sweep.png")
     return 0
 
 

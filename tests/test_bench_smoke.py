@@ -296,6 +296,10 @@ def test_codec_sweep_runs_its_rows_on_the_cpu(tmp_path):
         assert got[key]["link_bytes"] < off["link_bytes"] == off["streamed_bytes"]
     assert got[("tiered", "default", True)]["replanned"] in (True, False)
     assert "| min | fixed | 4 (" in (tmp_path / "codec_sweep.md").read_text()
+    png = tmp_path / "codec_sweep.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    png.unlink()  # --replot draws it again from the JSON alone
+    assert codec_sweep.main(["--replot", str(tmp_path / "codec_sweep.json")]) == 0 and png.exists()
 
 
 def test_staging_sweep_says_it_needs_cuda_without_one(capsys):
