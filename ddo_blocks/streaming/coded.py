@@ -63,8 +63,8 @@ of their decode, as a chunk's copy waits for no slot, only for a landing buffer 
 LANDING_AHEAD = 3.0
 """The landing ring holds this many times the coded chunks of the largest child unit (each buffer
 one chunk of up to 8 Mi values), so that the link moves the next streamed units while the resident
-ones between them compute and the slots they go to are still in use. For Flux-sized blocks (child
-units of up to 12 chunks) that is 34 buffers, 0.43 GiB. Swept on the H200 (Flux-dev-sized, 1024x1024,
+ones between them compute and the slots they go to are still in use. For Flux-sized blocks (the
+largest child unit, a double block's attention, fills 11 buffers) that is 34 buffers, 0.43 GiB. Swept on the H200 (Flux-dev-sized, 1024x1024,
 ``benchmarks.codec_sweep``, 2026-12-02 run-1): with 8 / 16 / 32 buffers the ``fixed`` step at 8 GiB
 was 1.21 / 1.14 / 1.03x of its compressed bound, at the minimum budget 1.08 / 1.07 / 1.07x (the
 ring is taken from the budget: at 8 GiB the 32 buffers still gave the fastest step)."""
