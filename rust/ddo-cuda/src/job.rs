@@ -286,6 +286,9 @@ pub(crate) trait Lane: Send + Sync {
 /// before it still read the buffer, and shutdown waits on that record before the ring is unmapped.
 /// Nothing after a failed step is queued; a job whose early stage ran and a later step failed
 /// still records the stage's arrival (its decodes' end), so the slot's next job waits for them.
+/// A job whose early stage carries all of it (no `copies` of its own) queues neither slot wait on
+/// the copy stream: the stage's stream waited for the slot itself, and its writes follow the slot's
+/// earlier ones in that stream's order or behind the copy stream's events it waits on.
 ///
 /// # Safety
 /// Each copy reads `len` bytes at host address `src` and writes `len` bytes at
