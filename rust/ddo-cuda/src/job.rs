@@ -318,11 +318,11 @@ pub(crate) unsafe fn enqueue(
             }
         }
     }
-    let copies: Vec<Span> = copies.into_iter().collect();
+    let mut copies = copies.into_iter().peekable();
     // An early stage that carries every byte of the job (a coded unit whose pieces all travel in
     // the landing ring) orders its own slot writes after the slot's release: the copy stream then
     // waits for no slot, and the link moves the next jobs while this slot is still in use.
-    let slot_waits = early.is_none() || !copies.is_empty();
+    let slot_waits = early.is_none() || copies.peek().is_some();
     // SAFETY: the caller's contract, passed on.
     let rest = unsafe { enqueue_rest(lane, part, copies, slot_waits) };
     if let (Err(_), Some(stage)) = (&rest, early) {
