@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         resident_s = statistics.median(times)
         ref = ref.clone()
         model.to("cpu")
-    torch.cuda.empty_cache() if cuda else None
+    if cuda:
+        torch.cuda.empty_cache()
     link = measure_bandwidth(dev, 1 << 30, [])["pinned_h2d_gb_s"] * 1e9 if cuda else None
     print(f"built in {build_s:.1f} s; resident step {resident_s:.4f} s; link {f'{link / 1e9:.2f} GB/s' if link else '-'}", flush=True)
 
