@@ -22,7 +22,8 @@
 use crate::codec::{CodedUnit, PieceKind};
 use crate::error::{CoreError, Result};
 
-/// Most host bytes between two coded chunks that a batch sends along rather than starting anew.
+/// Most host bytes between two pieces of a batch (alignment padding) that it sends along rather
+/// than starting anew.
 pub const MAX_GAP: usize = 64 << 10;
 
 /// Pieces of one unit (its coded chunks and the raw pieces between them) copied together into

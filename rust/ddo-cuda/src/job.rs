@@ -906,9 +906,14 @@ pub(crate) mod tests {
         }
     }
 
+    /// A job into `slot` at `dst` with no stage.
+    fn plain_job(slot: usize, dst: usize) -> Job {
+        Job::new(Source::Host { src: 0, n: 0 }, Sink::Slot { slot, dst })
+    }
+
     /// A job into `slot` at `dst` whose post-copy stage is [`Early`], logging to `rec`.
     fn early_job(rec: &Recorder, slot: usize, dst: usize) -> Job {
-        let mut job = Job::new(Source::Host { src: 0, n: 0 }, Sink::Slot { slot, dst });
+        let mut job = plain_job(slot, dst);
         job.post_copy = Some(Arc::new(Early {
             log: Arc::clone(&rec.log),
         }));
@@ -945,13 +950,7 @@ pub(crate) mod tests {
             ]
         );
         // the slot's next job, a plain one, orders its copies after that arrival on the other stream
-        let plain = Job::new(
-            Source::Host { src: 0, n: 0 },
-            Sink::Slot {
-                slot: 2,
-                dst: dst.as_mut_ptr() as usize,
-            },
-        );
+        let plain = plain_job(2, dst.as_mut_ptr() as usize);
         rec.log.lock().unwrap().clear();
         // SAFETY: as above.
         unsafe { enqueue(&rec, Part::whole(&plain), [copy]) }.unwrap();
@@ -1049,13 +1048,7 @@ pub(crate) mod tests {
             .any(|op| matches!(op, Op::Wait(_) | Op::WaitPriorArrival(_))));
         // a plain job after it waits for the slot and for that arrival on the other stream
         let src = [1u8; 8];
-        let plain = Job::new(
-            Source::Host { src: 0, n: 0 },
-            Sink::Slot {
-                slot: 3,
-                dst: dst.as_mut_ptr() as usize,
-            },
-        );
+        let plain = plain_job(3, dst.as_mut_ptr() as usize);
         rec.log.lock().unwrap().clear();
         let copy = Span {
             offset: 0,
