@@ -12,7 +12,12 @@ as the engine pins) into a device buffer on one stream and times them with CUDA 
 - ``slab_busy``: the slab while a device-to-device copy streams 2 x 4 GiB on another stream (the
   driver's copy, which may run on a copy engine);
 - ``slab_sm_busy``: the slab while an elementwise kernel on the SMs (``torch.add`` of 2 GiB bf16
-  tensors) reads and writes device memory on another stream, as the codec's decode kernels do.
+  tensors) reads and writes device memory on another stream, as the codec's decode kernels do;
+- ``slab_12m``: the slab in 12 MiB copies (one coded chunk of 8 Mi values at 12 bits);
+- ``ring``: 12 MiB copies into a ring of 34 landing buffers, as the codec's copies (no waits);
+- ``ring_consumed``: the same, each buffer consumed on a high-priority stream as the codec's decode
+  does (a kernel reads it and writes twice its bytes into a slot region), the copy into a buffer
+  waiting for its last consumer's event and the consumer for its copy's event.
 
 Writes ``h2d_rate.json``. Needs CUDA.
 """
@@ -86,8 +91,47 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize(dev)
         return k * piece / (start.elapsed_time(end) / 1e3) / 1e9
 
+    def ring_rate(buffers: list[torch.Tensor], consumed: bool, chunk: int = 12 << 20, n: int = 34) -> float:
+        """``chunk`` copies into a ring of ``n`` buffers; ``consumed``: a high-priority stream reads
+        each buffer after its copy (and writes 2x its bytes elsewhere), the next copy into that buffer
+        waits for it, as the codec's landing ring and decode stream do."""
+        ring = torch.empty(n * chunk, dtype=torch.uint8, device=dev)
+        slot = torch.empty(2 * n * chunk, dtype=torch.uint8, device=dev)
+        decode = torch.cuda.Stream(dev, priority=-1)
+        copied = [torch.cuda.Event() for _ in range(n)]
+        freed: list[torch.cuda.Event | None] = [None] * n
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        k = 0
+        for buf in buffers:
+            for off in range(0, buf.numel() - chunk + 1, chunk):
+                b = k % n
+                with torch.cuda.stream(stream):
+                    if consumed and freed[b] is not None:
+                        stream.wait_event(freed[b])
+                    ring[b * chunk:(b + 1) * chunk].copy_(buf[off:off + chunk], non_blocking=True)
+                    copied[b].record(stream)
+                if consumed:
+                    with torch.cuda.stream(decode):
+                        decode.wait_event(copied[b])
+                        src = ring[b * chunk:(b + 1) * chunk].view(torch.bfloat16)
+                        out = slot[2 * b * chunk:2 * (b + 1) * chunk].view(torch.bfloat16)
+                        out[: src.numel()].copy_(src)
+                        out[src.numel():].copy_(src)
+                        ev = torch.cuda.Event()
+                        ev.record(decode)
+                        freed[b] = ev
+                k += 1
+        end.record(stream)
+        torch.cuda.synchronize(dev)
+        return k * chunk / (start.elapsed_time(end) / 1e3) / 1e9
+
     rows = {}
     slab, reg = pinned(1 << 30)
+    n12 = int(total // (1 << 30))
+    rows["slab_12m"] = max(ring_rate([slab] * n12, False, n=4) for _ in range(3))
+    rows["ring"] = max(ring_rate([slab] * n12, False) for _ in range(3))
+    rows["ring_consumed"] = max(ring_rate([slab] * n12, True) for _ in range(3))
     rows["slab"] = max(rate([slab] * int(total // (1 << 30))) for _ in range(3))
     rows["slab_busy"] = max(rate([slab] * int(total // (1 << 30)), busy=True) for _ in range(2))
     rows["slab_sm_busy"] = max(rate([slab] * int(total // (1 << 30)), sm=True) for _ in range(2))
