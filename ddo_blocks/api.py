@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -25,6 +26,10 @@ _UNUSABLE_ATTR = "_ddo_unusable"
 
 REPLAN_MIN_GAIN = 0.05
 """``OffloadHandle.replan`` attaches the measured plan when it is predicted this much faster."""
+
+LOSSLESS_REPLAN_GAIN = 0.02
+"""``codec="lossless"`` attaches again after the second call when the compute it measured makes
+another coding (codec, or fraction of the units coded) predicted this much faster."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -79,6 +84,9 @@ class OffloadHandle:
         """The ``vram_budget="auto"`` state (what was measured and chosen), or None."""
         self._rebuild: tuple[routes.RouteSpec, dict[str, Any]] | None = None
         """The route and its options: what ``replan`` and the auto budget attach again with."""
+        self.lossless: dict[str, Any] | None = None
+        """``codec="lossless"``: what its re-plan after the second call decided (the report's ``codec``
+        section), or None."""
 
     @property
     def removed(self) -> bool:
@@ -171,6 +179,51 @@ class OffloadHandle:
         auto.measured_compute = measured is not None
         auto.reason = f"re-planned {when}: {auto.reason}"
         log.info("ddo_blocks: %s: vram_budget='auto' %s", self.component, auto.reason)
+
+    # -- codec="lossless" ------------------------------------------------------------------------------
+    def _wire_lossless(self) -> None:
+        """After the second call (the calibration call, which measures each unit's compute), weighs the
+        codings again with that compute and attaches the best once (:meth:`_after_lossless_call`)."""
+        self.lossless = {"replan": "pending: after the second call"}
+        if not getattr(self.engine, "streamed", None):
+            self.lossless["replan"] = "none: nothing streams"
+            return
+        self.engine.after_entry_call = self._after_lossless_call
+
+    def _after_lossless_call(self) -> None:
+        engine, note = self.engine, self.lossless
+        cal = engine.scheduler.calibration
+        if cal is None or cal.end is None:
+            return  # the first call: the second measures
+        engine.after_entry_call = None
+        better = engine.measured_plan() if engine.scheduler.last_call_clean else None
+        if better is None:
+            note["replan"] = "none: the second call did not run every unit to its end cleanly"
+            return
+        chosen = better["measured"]
+        now_codec = getattr(engine.store, "codec", "off")
+        now_coded = getattr(engine.store, "coded_mask", lambda: [False] * len(engine.units))()
+        new_codec = chosen.codec or now_codec
+        coded_now, coded_new = any(now_coded), any(chosen.coded or ())
+        same = (chosen.coded or [False] * len(now_coded)) == now_coded and (new_codec == now_codec or not coded_new)
+        note.update(measured_choice=new_codec if coded_new else "off",
+                    measured_coded_fraction=better["coded_fraction"], predicted_gain=better["gain"])
+        if same or not coded_now and not coded_new:
+            note["replan"] = "kept: the measured compute chooses the same coding"
+            return
+        if better["gain"] is None or better["gain"] < LOSSLESS_REPLAN_GAIN:
+            note["replan"] = f"kept: the measured choice is predicted less than {LOSSLESS_REPLAN_GAIN:.0%} faster"
+            return
+        t0 = time.perf_counter()
+        failed = self._attach_again(self.vram_budget, measured=chosen, fallback_budget=self.vram_budget)
+        if failed is not None:
+            note["replan"] = f"failed ({failed}); the prior's choice was attached again"
+            log.warning("ddo_blocks: %s: codec='lossless' re-plan failed (%s)", self.component, failed)
+            return
+        note["replan"] = (f"re-planned after the second call: {now_codec if coded_now else 'off'} -> "
+                          f"{new_codec if coded_new else 'off'}, predicted {better['gain']:.1%} faster")
+        note["replan_s"] = time.perf_counter() - t0
+        log.info("ddo_blocks: %s: codec='lossless' %s", self.component, note["replan"])
 
     def _arena_replan(self) -> None:
         """On an ``Arena("auto")``, after the first call: plans the component again, once, with the budget
@@ -364,6 +417,8 @@ def offload(
         handle._auto_budget(auto, spec, route_options)
     elif hasattr(getattr(engine, "slots", None), "replan_budget") and getattr(engine, "after_entry_call", 0) is None:
         engine.after_entry_call = handle._arena_replan  # Arena("auto"): planned again once with its phase's budget
+    elif route_options.get("codec") == "lossless" and hasattr(engine, "after_entry_call"):
+        handle._wire_lossless()  # the measured compute weighs the codings again, once
     setattr(module, _ATTR, handle)
     if getattr(engine, "owns_placement", False):
         handle._guard = guards.ConversionGuard(module, dev, lambda: repr(handle))

@@ -229,5 +229,7 @@ def build_report(handle: OffloadHandle) -> Report:
     auto = getattr(handle, "auto", None)
     if auto is not None:
         sections["auto_budget"] = auto.section()
+    if getattr(handle, "lossless", None):
+        sections.setdefault("codec", {}).update(handle.lossless)
     data.update(sections)
     return Report(data)

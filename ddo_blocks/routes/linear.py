@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+from typing import Any
 
 import psutil
 
@@ -102,13 +103,44 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
         chosen = SPEC.preset_map[req.preset]
     if chosen.host is HostMode.CALLER:
         return chosen, OffEngine(req.module, req.device)
-    if coded.check_codec(codec, chosen) != "off":
+    if coded.check_codec(codec, chosen) == "lossless":
+        return chosen, _lossless(req, chosen, units, graph)
+    if codec != "off":
         return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, measured=req.measured,
                                        store=coded.CodedSlabs.for_codec(codec), loader=req.loader, units=units,
                                        reserve_bytes=coded.reserve_bytes(req.module, codec, req.device),
-                                       link_bytes=coded.link_bytes_estimate(codec), graph=graph)
+                                       link_bytes=coded.link_bytes_estimate(codec), graph=graph,
+                                       variants=lambda e, compute: coded.measured_variants(e, compute, (codec,),
+                                                                                           with_off=False))
     return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, measured=req.measured, store=stores.HostSlabs,
                                    loader=req.loader, units=units, graph=graph)
+
+
+def _lossless(req: EngineRequest, chosen: Any, units: str, graph: bool) -> Engine:
+    """``codec="lossless"``: the codec and the units to code the planner chose (``coded.choose_lossless``
+    at attach; a re-plan's measured choice when given), the report's ``codec`` section saying which and
+    why."""
+    from ..streaming import StreamingEngine, coded, stores
+
+    measured = req.measured
+    if measured is not None:
+        # the measured mask says which units; no codec: no decode rate to weigh (the CPU engine), none
+        codec, quarters = measured.codec or "off", coded.QUARTERS
+        how, predicted = "the compute the second call measured", {}
+    else:
+        choice = coded.choose_lossless(req.module, chosen, req.budget, req.device, units)
+        codec, quarters, predicted = choice.codec, choice.quarters, choice.predicted_s
+        how = "the planner's prior" if req.budget is not None else "no budget: nothing streams"
+    section = {"requested": "lossless", "chosen": codec, "chosen_with": how,
+               "candidates_predicted_s": predicted}
+    common = dict(measured=measured, loader=req.loader, units=units, graph=graph,
+                  extra_sections=lambda: {"codec": dict(section)},
+                  variants=lambda e, compute: coded.measured_variants(e, compute, coded.CODES, with_off=True))
+    if codec == "off":
+        return StreamingEngine(req.module, chosen, req.budget, req.device, store=stores.HostSlabs, **common)
+    return StreamingEngine(req.module, chosen, req.budget, req.device, store=coded.CodedSlabs.for_codec(codec, quarters),
+                           reserve_bytes=coded.reserve_bytes(req.module, codec, req.device),
+                           link_bytes=coded.link_bytes_estimate(codec, quarters), **common)
 
 
 SPEC = RouteSpec(

@@ -108,7 +108,9 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     arena, own = _arena(req)
     refuse_unknown("vmm", req.options, ("arena", "units", "codec"))
     chosen = SPEC.presets[0] if req.preset == "auto" else SPEC.preset_map[req.preset]
-    coded.check_codec(codec, chosen)
+    if coded.check_codec(codec, chosen) == "lossless":
+        raise ConfigError("codec='lossless' (the planner chooses the codec) is the linear route's; on the vmm route "
+                          "pass codec='fixed' or 'tiered'")
     if not same_device(req.device, arena.device):
         raise ConfigError(f"the Arena is on {arena.device}; this component was asked on {req.device}: give it the "
                           "arena's device")
@@ -130,7 +132,9 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
                                    link_bytes=coded.link_bytes_estimate(codec) if codec != "off" else None,
                                    reserve_for=(what, "or give the Arena a larger vram_budget"),
                                    slots=lambda engine: ArenaSlots(engine, arena, name, extra_fixed=landing),
-                                   extra_sections=lambda: {"arena": arena.report_section()})
+                                   extra_sections=lambda: {"arena": arena.report_section()},
+                                   variants=(lambda e, compute: coded.measured_variants(e, compute, (codec,), with_off=False))
+                                   if codec != "off" else None)
 
 
 SPEC = RouteSpec(

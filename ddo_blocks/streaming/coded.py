@@ -26,10 +26,11 @@ escapes, the landing buffers, and on a GPU the decode rate measured at attach.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -38,12 +39,27 @@ from .. import _native
 from ..errors import ConfigError, DdoError
 from ..routes.spec import HostMode, Preset
 from ..units import flat_span, span_elements, span_nbytes, split_units
+from .plan import unit_sizes as plan_unit_sizes
 from .slabs import _alloc, _progress
 from .stores import InMemoryStore, _placeholder
 
-CODECS = ("off", "fixed", "tiered")
+CODECS = ("off", "fixed", "tiered", "lossless")
 """``off``: units cross the link as they are. ``fixed``: bf16 weights at 12 bits per value (0.751 of
-bf16 on normal weights). ``tiered``: the two-tier code, about 11 bits per value (0.689)."""
+bf16 on normal weights). ``tiered``: the two-tier code, about 11 bits per value (0.689).
+``lossless``: the planner chooses (:func:`choose_lossless`): ``fixed``, ``tiered`` or no code, and
+which fraction of the units to code, by the step it predicts for each, then again once with the
+compute the second call measured."""
+
+CODES = ("fixed", "tiered")
+"""The codecs that code: what ``lossless`` chooses from (besides not coding)."""
+
+QUARTERS = 4
+"""Coded fractions tried: 0, 1/4, ... 1 of the units that shrink coded, spread in execution order."""
+
+LOSSLESS_MARGIN = 0.02
+"""A variant that codes every unit must be predicted this much faster than one coding none to be
+chosen (a quarter of the units, a quarter of it): the decode's cost on the SMs is an estimate, and
+not coding is never slower than the uncompressed route."""
 
 TIERED_ESTIMATE = (0.28, 0.003)
 """The two-tier code's tier-2 and escape fractions on normal weights (measured by ddo-core's
@@ -73,13 +89,13 @@ ESCAPE_ALLOWANCE = 32
 """A landing buffer holds a full chunk with one value in this many escaped; a chunk with more
 escapes than fit is sent raw."""
 
-_DECODE_RATE: dict[tuple[int, str], float | None] = {}
-"""Measured decode rate (bytes of bf16 written per second) per CUDA device and codec, once per
-process, after the kernel's output was checked against the reference decoder."""
+_DECODE_RATE: dict[tuple[str, str], float | None] = {}
+"""Measured decode rate (bytes of bf16 written per second) per device and codec, once per process
+(:func:`decode_rate`)."""
 
 
 def check_codec(codec: str, preset: Preset) -> str:
-    if codec not in CODECS:
+    if not isinstance(codec, str) or codec not in CODECS:
         raise ConfigError(f"codec={codec!r} is not a codec; use one of {', '.join(map(repr, CODECS))}")
     if codec != "off" and (preset.host is not HostMode.PINNED_SLABS or preset.keep_warm):
         raise ConfigError(
@@ -94,6 +110,7 @@ def _bf16_values(p: torch.Tensor) -> int:
     return span_elements(p) if p.dtype == torch.bfloat16 else 0
 
 
+@functools.lru_cache(maxsize=4096)
 def _probe_bytes(values: int, codec: str, escape_fraction: float, tier2_fraction: float) -> int:
     """The coded size of one tensor of ``values`` values with these fractions of its values escaped
     and (``tiered``) in tier 2, spread evenly over its chunks and ranges."""
@@ -140,29 +157,58 @@ def landing_count(module: nn.Module, codec: str = "fixed") -> int:
     return max(fewest, min(most, need))
 
 
-def link_bytes_estimate(codec: str):
+def coded_estimate(units: list[Any], codec: str) -> list[int]:
     """Per unit, the bytes a coded fetch sends, before the weights are read: coded bf16 tensors at
     their chunk layout (fixed: without escapes, about 0.751x; tiered: :data:`TIERED_ESTIMATE`,
     about 0.69x), the rest as they are."""
+    tier2, esc = TIERED_ESTIMATE if codec == "tiered" else (0.0, 0.0)
+    out = []
+    for unit in units:
+        total = 0
+        for _, p in unit.params:
+            values = _bf16_values(p)
+            total += _probe_bytes(values, codec, esc, tier2) if values >= MIN_CODED_VALUES else span_nbytes(p)
+        out.append(total)
+    return out
+
+
+def spread(eligible: list[bool], quarters: int) -> list[bool]:
+    """Which units to code: ``quarters`` / :data:`QUARTERS` of the ``eligible`` ones (those that shrink
+    coded), spread evenly in execution order (the j-th eligible unit is coded when the count steps)."""
+    mask = [False] * len(eligible)
+    j = 0
+    for i, ok in enumerate(eligible):
+        if ok:
+            mask[i] = (j + 1) * quarters // QUARTERS > j * quarters // QUARTERS
+            j += 1
+    return mask
+
+
+def coded_units(units: list[Any], codec: str, quarters: int = QUARTERS) -> list[bool]:
+    """Per unit, whether a store of ``codec`` codes it when it streams, at ``quarters`` of the units
+    that shrink (estimated from the module, as the planner sees them)."""
+    return spread([c < r for c, r in zip(coded_estimate(units, codec), plan_unit_sizes(units))], quarters)
+
+
+def link_bytes_estimate(codec: str, quarters: int = QUARTERS):
+    """The planner's ``link_bytes``: per unit, :func:`coded_estimate` for the units coded at
+    ``quarters`` (:func:`coded_units`), the unit's size for the others."""
 
     def estimate(units: list[Any]) -> list[int]:
-        tier2, esc = TIERED_ESTIMATE if codec == "tiered" else (0.0, 0.0)
-        out = []
-        for unit in units:
-            total = 0
-            for _, p in unit.params:
-                values = _bf16_values(p)
-                total += _probe_bytes(values, codec, esc, tier2) if values >= MIN_CODED_VALUES else span_nbytes(p)
-            out.append(total)
-        return out
+        mask = coded_units(units, codec, quarters)
+        sizes = plan_unit_sizes(units)
+        return [c if m else s for c, m, s in zip(coded_estimate(units, codec), mask, sizes)]
 
     return estimate
 
 
 def reserve_bytes(module: nn.Module, codec: str, device: torch.device) -> int:
-    """Device bytes the codec needs beside the slots (its landing buffers)."""
+    """Device bytes the codec needs beside the slots (its landing buffers; ``lossless``: the larger
+    ring of the codes it may choose)."""
     if codec == "off" or device.type != "cuda":
         return 0
+    if codec == "lossless":
+        return max(reserve_bytes(module, c, device) for c in CODES)
     return landing_count(module, codec) * landing_bytes(module, codec)
 
 
@@ -170,6 +216,124 @@ def _per_tensor(counts: list[Any], coded: list[bool]) -> list[Any]:
     """Counts given for the coded tensors only, spread over all of them (``[]`` for the others)."""
     it = iter(counts)
     return [next(it) if b else [] for b in coded]
+
+
+def planning_rate(device: torch.device, codec: str) -> float | None:
+    """The decode rate the planner weighs ``codec`` with on ``device`` (:func:`decode_rate`), or
+    ``None`` where the decode does not share the device's SMs with the model (the CPU engine decodes
+    on the host in place of its copy): there the planner sees no cost and no gain to weigh."""
+    return decode_rate(device, codec) if device.type == "cuda" and codec in CODES else None
+
+
+class Choice(NamedTuple):
+    """What ``codec="lossless"`` chose at attach: the codec (``off`` for none), the quarters of the
+    units that shrink it codes, and each candidate's predicted step (the planner's prior)."""
+
+    codec: str
+    quarters: int
+    predicted_s: dict[str, float]
+
+
+def _label(codec: str, quarters: int) -> str:
+    return "off" if codec == "off" else f"{codec} {quarters}/{QUARTERS}"
+
+
+def choose_lossless(module: nn.Module, preset: Preset, budget: int | None, device: torch.device,
+                    units: str) -> Choice:
+    """``codec="lossless"`` at attach: the planner's predicted step for no code and for each code at
+    each fraction of the units (:data:`QUARTERS`), with each unit's compute from the planner's prior
+    plus its decode (``bf16 bytes / decode rate``, measured on a synthetic chunk: decode and model share
+    the SMs) and each code's landing buffers taken from the budget; the fastest wins, a coded
+    variant only by :data:`LOSSLESS_MARGIN` (scaled by its fraction). The second call measures the
+    compute and re-plans once (``OffloadHandle``)."""
+    from ..errors import BudgetError
+    from . import bandwidth, plan
+
+    if budget is None:
+        return Choice("off", 0, {})
+    link = bandwidth.link_bytes_per_s(device)
+    compute_rate = bandwidth.compute_bytes_per_s(device, link)
+    found: dict[tuple[str, int], float] = {}
+    try:
+        found[("off", 0)] = plan.choose(module, budget, device, link, preset, units).native.predicted_step_s
+    except BudgetError:
+        pass  # the landing buffers' reserve is in "min": no code always fits where a code does
+    for codec in CODES:
+        rate = planning_rate(device, codec)
+        if not rate:
+            continue
+        for q in range(1, QUARTERS + 1):
+
+            def compute_bytes(us: list[Any], codec: str = codec, q: int = q, rate: float = rate) -> list[int]:
+                sizes = plan_unit_sizes(us)
+                return [int(b + (b * compute_rate / rate if m else 0)) for b, m in zip(sizes, coded_units(us, codec, q))]
+
+            try:
+                chosen = plan.choose(module, budget, device, link, preset, units, reserve_bytes(module, codec, device),
+                                     link_bytes_estimate(codec, q), compute_bytes)
+            except BudgetError:
+                continue
+            found[(codec, q)] = chosen.native.predicted_step_s
+    if not found:  # nothing fits: plan "off" again for its error
+        plan.choose(module, budget, device, link, preset, units)
+    best = min(found, key=lambda k: found[k] * (1 + LOSSLESS_MARGIN * k[1] / QUARTERS))
+    return Choice(best[0], best[1], {_label(*k): v for k, v in found.items()})
+
+
+def measured_variants(engine: Any, unit_compute_s: list[float], codecs: tuple[str, ...], *,
+                      with_off: bool) -> list[Any]:
+    """Plans to try with measured compute (``plan.Measured``): for each code of ``codecs``, a fraction
+    of 1/4, ... 1 of the units that shrink coded, spread evenly in execution order (:func:`spread`),
+    each with its link bytes (coded or raw) and its compute with or without its decode (``bf16 bytes
+    / decode rate``, taken off the measured compute of the units coded now: decode and the model share
+    the SMs); and none coded (``with_off``: as ``codec="off"``, else the first code's store coding
+    nothing). Coded sizes are the store's where it coded the unit, estimates elsewhere. Empty without
+    a decode rate (the CPU engine)."""
+    from .plan import Measured
+
+    e = engine
+    store = e.store
+    now = getattr(store, "codec", "off")
+
+    def rate_of(codec: str) -> float | None:
+        own = getattr(store, "decode_bytes_per_s", None) if codec == now else None
+        return own or planning_rate(e.device, codec)
+
+    rates = {c: rate_of(c) for c in codecs}
+    if not any(rates.values()):
+        return []
+    n = len(e.units)
+    raw = list(e.unit_bytes)
+    actual: dict[int, Any] = {}  # unit -> the store's coded unit, where it codes some of it
+    if now in CODES:
+        for k, unit in enumerate(e.streamed):
+            if k < len(store.units) and store.units[k].coded_values:
+                actual[unit.index] = store.units[k]
+    now_rate = rate_of(now) if actual else None
+    pure = [max(0.0, c - (2 * actual[i].coded_values / now_rate if i in actual and now_rate else 0.0))
+            for i, c in enumerate(unit_compute_s)]
+    zero = "off" if with_off else codecs[0]
+    variants = [Measured(e.granularity, pure, raw, [False] * n, zero)]
+    for codec in codecs:
+        rate = rates[codec]
+        if not rate:
+            continue
+        sent = [min(c, r) for c, r in zip(coded_estimate(e.units, codec), raw)]
+        decoded = [r if c < r else 0 for c, r in zip(sent, raw)]
+        if codec == now:
+            for i, cu in actual.items():
+                sent[i], decoded[i] = cu.nbytes, 2 * cu.coded_values
+        eligible = [d > 0 for d in decoded]
+        for q in range(1, QUARTERS + 1):
+            mask = spread(eligible, q)
+            variants.append(Measured(
+                e.granularity,
+                [pure[i] + (decoded[i] / rate if mask[i] else 0.0) for i in range(n)],
+                [sent[i] if mask[i] else raw[i] for i in range(n)],
+                mask,
+                codec,
+            ))
+    return variants
 
 
 class CodedSlabs(InMemoryStore):
@@ -180,13 +344,17 @@ class CodedSlabs(InMemoryStore):
     """No :class:`SlabSet`: the report's host figures come from :meth:`report_sections`."""
 
     @classmethod
-    def for_codec(cls, codec: str):
-        """The store factory the engine takes (``store=``) for ``codec``."""
-        return lambda engine: cls(engine, codec)
+    def for_codec(cls, codec: str, quarters: int = QUARTERS):
+        """The store factory the engine takes (``store=``) for ``codec``, coding ``quarters`` of the
+        units that shrink (:func:`coded_units`) unless the engine was planned with a measured mask."""
+        return lambda engine: cls(engine, codec, quarters)
 
-    def __init__(self, engine: Any, codec: str = "fixed"):
+    def __init__(self, engine: Any, codec: str = "fixed", quarters: int = QUARTERS):
         self.engine = engine
         self.codec = codec
+        measured = engine.measured.coded if engine.measured is not None else None
+        self.mask: list[bool] = list(measured) if measured is not None else coded_units(engine.units, codec, quarters)
+        """Per unit of the plan (streamed or not): whether it is coded when it streams."""
         self.pin = engine.device.type == "cuda"
         self.landing_bytes = landing_bytes(engine.module, codec)
         self.landing_buffers = landing_count(engine.module, codec)
@@ -235,7 +403,7 @@ class CodedSlabs(InMemoryStore):
 
         pinning: list[tuple[int, Future]] = []
         total = sum(e.layout_bytes)
-        mask = e.measured.coded if e.measured is not None else None  # a re-plan may code fewer units
+        mask = self.mask  # a plan may code fewer units than shrink
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, _progress(
                 total, "coding", quiet=e.loader is not None) as bar:
             try:
@@ -243,7 +411,7 @@ class CodedSlabs(InMemoryStore):
                     tick = time.perf_counter()
                     srcs = self._sources(u)
                     tick = lap("read", tick)
-                    code = mask is None or mask[unit.index]
+                    code = mask[unit.index]
                     bf16 = [code and t.numel() >= MIN_CODED_VALUES and t.dtype == torch.bfloat16 for t in srcs]
                     coded = [(t.data_ptr(), t.numel()) for t, b in zip(srcs, bf16) if b]
                     if self.codec == "tiered":
@@ -349,46 +517,7 @@ class CodedSlabs(InMemoryStore):
     # -- re-planning --------------------------------------------------------------------------------
     def coded_mask(self) -> list[bool]:
         """Per unit of the plan (streamed or not): whether this store codes it when it streams."""
-        e = self.engine
-        mask = e.measured.coded if e.measured is not None else None
-        return list(mask) if mask is not None else [True] * len(e.units)
-
-    def codec_variants(self, unit_compute_s: list[float]) -> list[Any]:
-        """Plans to try with measured compute (``plan.Measured``): a fraction of 0, 1/4, ... 1 of the
-        units that shrink coded, spread evenly in execution order, each with its link bytes (coded
-        or raw) and its compute with or without its decode (``bf16 bytes / decode rate``, taken off
-        the measured compute of the units coded now: decode and the model share the SMs). None
-        without a measured decode rate (the CPU engine decodes on the host, off the compute)."""
-        from .plan import Measured
-
-        e, rate = self.engine, self.decode_bytes_per_s
-        if not rate:
-            return []
-        n = len(e.units)
-        raw = list(e.unit_bytes)
-        coded_len = list(e.unit_plan.link_bytes) if e.unit_plan.link_bytes is not None else list(raw)
-        decoded = [b if c < b else 0 for b, c in zip(raw, coded_len)]  # estimate: all of a shrinking unit
-        for k, unit in enumerate(e.streamed):
-            if k < len(self.units):
-                coded_len[unit.index] = self.units[k].nbytes
-                decoded[unit.index] = 2 * self.units[k].coded_values
-        now = self.coded_mask()
-        streamed = {u.index for u in e.streamed}
-        decode_s = [d / rate for d in decoded]
-        pure = [max(0.0, c - (decode_s[i] if now[i] and i in streamed else 0.0)) for i, c in enumerate(unit_compute_s)]
-        eligible = [i for i in range(n) if coded_len[i] < raw[i]]
-        variants = []
-        for quarters in range(5):
-            mask = [False] * n
-            for j, i in enumerate(eligible):  # error diffusion: j-th eligible unit coded when the count steps
-                mask[i] = (j + 1) * quarters // 4 > j * quarters // 4
-            variants.append(Measured(
-                e.granularity,
-                [pure[i] + (decode_s[i] if mask[i] else 0.0) for i in range(n)],
-                [coded_len[i] if mask[i] else raw[i] for i in range(n)],
-                mask,
-            ))
-        return variants
+        return list(self.mask)
 
     # -- figures -----------------------------------------------------------------------------------
     @property
@@ -433,24 +562,83 @@ class CodedSlabs(InMemoryStore):
         }
 
 
+SYNTHETIC_VALUES = 8 << 20
+"""Values of the synthetic chunk (normal(0, 0.02) bf16, seeded) whose decode :func:`decode_rate` times."""
+
+
+def _synthetic_chunk(codec: str) -> tuple[torch.Tensor, Any]:
+    """A coded chunk of :data:`SYNTHETIC_VALUES` normal bf16 values: ``(buffer, (src, length, values,
+    escapes, groups))``, the buffer holding the unit the chunk is in."""
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(SYNTHETIC_VALUES, generator=g) * 0.02).to(torch.bfloat16)
+    coded = [(t.data_ptr(), t.numel())]
+    if codec == "tiered":
+        escapes, groups = _native.codec_count_tiered(coded)
+    else:
+        escapes, groups = _native.codec_count_escapes(coded), None
+    layout = _native.layout_coded_unit([(0, 2 * t.numel(), True)], escapes, 1 << 62, groups)
+    _, buf = _alloc(layout.nbytes)
+    _native.codec_encode_unit(layout, [(t.data_ptr(), 2 * t.numel())], buf.data_ptr())
+    src, length, _, values, esc, grp = max(layout.coded_pieces, key=lambda piece: piece[3])
+    return buf, (src, length, values, esc, grp)
+
+
+def decode_rate(device: torch.device, codec: str) -> float | None:
+    """Bytes of bf16 the codec's decoder writes per second on ``device``, once per process, device and
+    codec, timed on a synthetic chunk (:func:`_synthetic_chunk`): on a GPU the kernel (its output
+    checked bit for bit against the reference decoder's first, a difference is a :class:`DdoError`),
+    on the CPU the reference decoder. What the planner weighs a coded unit's decode with (it shares the
+    SMs with the model). ``None`` for ``off``."""
+    if codec not in CODES:
+        return None
+    key = (str(device), codec)
+    if key not in _DECODE_RATE:
+        buf, piece = _synthetic_chunk(codec)
+        if device.type == "cuda":
+            _DECODE_RATE[key] = _check_chunk(device, codec, buf, piece, timed=True)
+        else:
+            src, length, values, escapes, groups = piece
+            out = torch.empty(values, dtype=torch.bfloat16)
+            run = lambda: _native.codec_decode_host(buf.data_ptr() + src, length, out.data_ptr(),  # noqa: E731
+                                                    values, escapes, groups)
+            run()
+            t0 = time.perf_counter()
+            run()
+            seconds = time.perf_counter() - t0
+            _DECODE_RATE[key] = 2 * values / seconds if seconds > 0 else None
+    return _DECODE_RATE[key]
+
+
 def _check_decoder(device: torch.device, codec: str, units: list[Any],
                    buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-    """Checks the codec's GPU decode kernel on this device and measures its rate (bytes of bf16
-    written per second), once per process, device and codec: the largest coded chunk is decoded on
-    the GPU, compared bit for bit with the reference decoder's output on the host (a difference is a
-    :class:`DdoError`, before any weight is streamed), then decoded a few more times, timed with CUDA
-    events."""
-    ordinal = device.index or 0
-    if (ordinal, codec) in _DECODE_RATE:
-        return _DECODE_RATE[(ordinal, codec)]
+    """Checks the codec's GPU decode kernel on this device against the reference decoder on the largest
+    coded chunk of these units, once per process, device and codec (a difference is a :class:`DdoError`,
+    before any weight is streamed), and returns its rate (:func:`decode_rate`)."""
+    key = (str(device), codec)
+    if key in _CHECKED:
+        return decode_rate(device, codec)
     best = None
     for c, (_, buf) in zip(units, buffers):
         for src, length, _, values, escapes, groups in c.coded_pieces:
-            if best is None or values > best[3]:
-                best = (buf, src, length, values, escapes, groups)
+            if best is None or values > best[1][2]:
+                best = (buf, (src, length, values, escapes, groups))
     if best is None:
-        return None
-    buf, src, length, values, escapes, groups = best
+        return decode_rate(device, codec)
+    _check_chunk(device, codec, *best, timed=False)
+    _CHECKED.add(key)
+    return decode_rate(device, codec)
+
+
+_CHECKED: set[tuple[str, str]] = set()
+"""(device, codec) whose kernel was checked against the reference decoder on real weights."""
+
+
+def _check_chunk(device: torch.device, codec: str, buf: torch.Tensor, piece: tuple, *, timed: bool) -> float | None:
+    """Decodes one coded chunk (``piece`` of the host ``buf``) on the GPU, compares it bit for bit with the
+    reference decoder's output on the host (a difference is a :class:`DdoError`) and, when ``timed``,
+    returns the kernel's rate from a few more decodes timed with CUDA events."""
+    src, length, values, escapes, groups = piece
+    ordinal = device.index or 0
     with torch.cuda.device(device):
         chunk = buf[src : src + length].to(device)
         out = torch.empty(values, dtype=torch.bfloat16, device=device)
@@ -467,6 +655,8 @@ def _check_decoder(device: torch.device, codec: str, units: list[Any],
                 f"{differ} of {values} values different from the reference decoder; nothing was streamed. This is a "
                 "bug of ddo_blocks on this device: use codec='off' (or 'fixed' if it was 'tiered') and report it"
             )
+        if not timed:
+            return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         reps = 10
         start.record(stream)
@@ -475,5 +665,4 @@ def _check_decoder(device: torch.device, codec: str, units: list[Any],
         end.record(stream)
         end.synchronize()
         seconds = start.elapsed_time(end) / 1e3 / reps
-    _DECODE_RATE[(ordinal, codec)] = 2 * values / seconds if seconds > 0 else None
-    return _DECODE_RATE[(ordinal, codec)]
+    return 2 * values / seconds if seconds > 0 else None

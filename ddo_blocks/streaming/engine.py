@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from .. import _native
-from ..errors import CheckpointError, DdoError, OffloadMemoryError, OffloadStateError
+from ..errors import BudgetError, CheckpointError, DdoError, OffloadMemoryError, OffloadStateError
 from ..report import roofline_bound
 from ..routes.spec import HostMode, Preset, UnitInfo
 from ..units import find_unit_modules, geometry, span_nbytes
-from . import bandwidth, plan
+from . import bandwidth, coded, plan
 from .scheduler import CallRecord, Scheduler, compute_stream
 from .slots import TorchSlots
 from .upload import STAGING_BYTES, copy_from_host, staged_upload
@@ -61,6 +61,9 @@ class StreamingEngine:
             codec's landing buffers).
         graph: replay steady calls as CUDA graphs (``graph.py``); where the parts cannot
             (:meth:`graph_blocker`), calls run eagerly and the report says why.
+        variants: given the calibration call's compute per unit, the plans a measured re-plan weighs
+            (a codec's: which units to code, and with ``lossless`` which codec;
+            ``coded.measured_variants``); ``None``: the measured compute as it is.
     """
 
     owns_placement = True
@@ -72,7 +75,8 @@ class StreamingEngine:
                  compute_bytes: plan.ComputeBytes | None = None,
                  extra_sections: Callable[[], dict[str, dict[str, Any]]] | None = None,
                  measured: plan.Measured | None = None, slots: Callable[[StreamingEngine], Any] | None = None,
-                 reserve_for: tuple[str, str] | None = None, graph: bool = False):
+                 reserve_for: tuple[str, str] | None = None, graph: bool = False,
+                 variants: Callable[[StreamingEngine, list[float]], list[plan.Measured]] | None = None):
         self.module = module
         self.preset = preset
         self.budget = budget
@@ -81,6 +85,7 @@ class StreamingEngine:
         self.link_bytes_per_s = bandwidth.link_bytes_per_s(device)
         self.reserve_bytes = reserve_bytes
         self.measured = measured
+        self.variants = variants
         self.units_option = units
         self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes,
                                      link_bytes, compute_bytes, measured,
@@ -394,8 +399,8 @@ class StreamingEngine:
         """The plan the planner would choose with the compute measured on the calibration call (same
         granularity, same budget), against the current plan under the same measurement: what
         ``OffloadHandle.replan`` would attach. A store with a codec offers variants that code fewer
-        units (``codec_variants``: each unit's link bytes and compute with or without its decode),
-        so a compute-bound model can drop the decode it does not need. ``None`` before the
+        units (``variants``: each unit's link bytes and compute with or without its decode; with
+        ``lossless`` other codecs too), so a compute-bound model can drop the decode it does not need. ``None`` before the
         calibration ran, without streamed units, for a store with a disk (its simulation is the
         RAM cache's), or when the calibration call did not run every unit to its end."""
         cal = self._usable_calibration()
@@ -436,11 +441,15 @@ class StreamingEngine:
         return cal if cal.covers([u.index for u in self.units]) else None
 
     def _native_plan(self, unit_bytes: list[int], budget: int | None, unit_compute_s: list[float],
-                     link_bytes: list[int] | None = None) -> Any:
-        """``_native.plan`` with this engine's base, link, preset and reserve, at ``budget``."""
+                     link_bytes: list[int] | None = None, reserve: int | None = None) -> Any:
+        """``_native.plan`` with this engine's base, link and preset, at ``budget`` less ``reserve``
+        (default: this engine's)."""
+        reserve = self.reserve_bytes if reserve is None else reserve
+        if budget is not None and budget <= reserve:
+            raise BudgetError(f"the budget does not hold the {reserve} bytes of landing buffers")
         return _native.plan(
             unit_bytes, base_bytes=self.unit_plan.base_bytes,
-            budget_bytes=None if budget is None else budget - self.reserve_bytes,
+            budget_bytes=None if budget is None else budget - reserve,
             link_bytes_per_s=self.link_bytes_per_s,
             compute_bytes_per_s=bandwidth.compute_bytes_per_s(self.device, self.link_bytes_per_s),
             min_slots=self.preset.min_slots, max_slots=self.preset.max_slots,
@@ -450,7 +459,7 @@ class StreamingEngine:
         """Child units measured, ``units="auto"``, no codec: each block's compute as the sum of its
         children's, planned at ``budget``: ``(predicted step, Measured)``, or ``None`` (not child units,
         a codec's variants, a block without a measured child, or no plan fits)."""
-        if self.granularity != "child" or self.units_option != "auto" or hasattr(self.store, "codec_variants"):
+        if self.granularity != "child" or self.units_option != "auto" or self.variants is not None:
             return None
         blocks = [name for name, _ in find_unit_modules(self.module, "block")]
         index = {name: i for i, name in enumerate(blocks)}
@@ -475,33 +484,58 @@ class StreamingEngine:
             return None
         return native.predicted_step_s, plan.Measured("block", compute)
 
+    def _variants(self, measured: dict[str, Any]) -> list[plan.Measured]:
+        """The plans a measured re-plan weighs (``variants``), or the measured compute as it is."""
+        plain = plan.Measured(self.granularity, measured["unit_compute_s"], self.unit_plan.link_bytes)
+        return (self.variants(self, measured["unit_compute_s"]) if self.variants is not None else None) or [plain]
+
+    def _current_variant(self, variants: list[plan.Measured]) -> plan.Measured | None:
+        """The variant that codes as this engine does (same codec, same units), if any."""
+        now_coded = getattr(self.store, "coded_mask", lambda: [False] * len(self.units))()
+        now_codec = getattr(self.store, "codec", "off")
+        for v in variants:
+            if v.coded is not None and v.coded == now_coded and (v.codec in (None, now_codec) or not any(now_coded)):
+                return v
+        return None
+
     def _best_variant(self, measured: dict[str, Any], budget: int | None) -> tuple[float, Any, plan.Measured] | None:
         """The measured variant (codec variants: which units to code) the planner predicts fastest at
         ``budget``: (predicted step, native plan, variant), or ``None`` when none fits."""
-        variants = [plan.Measured(self.granularity, measured["unit_compute_s"], self.unit_plan.link_bytes)]
-        if hasattr(self.store, "codec_variants"):
-            variants = self.store.codec_variants(measured["unit_compute_s"]) or variants
+        variants = self._variants(measured)
+        most = max((sum(v.coded) for v in variants if v.coded), default=0)
         best: tuple[float, Any, plan.Measured] | None = None
+        score = None
+        own = coded.reserve_bytes(self.module, getattr(self.store, "codec", "off"), self.device)
         for v in variants:
+            # another codec's landing buffers in place of this one's (the rest of the reserve stays)
+            reserve = (self.reserve_bytes - own + coded.reserve_bytes(self.module, v.codec, self.device)
+                       if v.codec is not None else None)
             try:
-                native = self._native_plan(self.unit_bytes, budget, v.unit_compute_s, v.link_bytes)
+                native = self._native_plan(self.unit_bytes, budget, v.unit_compute_s, v.link_bytes, reserve)
             except DdoError:
                 continue
-            if best is None or native.predicted_step_s < best[0] - 1e-12:
-                best = (native.predicted_step_s, native, v)
+            # coding must be predicted faster by a margin: never slower than not coding
+            s = native.predicted_step_s * (1 + coded.LOSSLESS_MARGIN * (sum(v.coded or ()) / most if most else 0))
+            if score is None or s < score - 1e-12:
+                best, score = (native.predicted_step_s, native, v), s
         return best
 
     def _plan_measured(self, cal: Any) -> dict[str, Any] | None:
         measured = cal.resolve(len(self.units))
         current = self.calibrated_prediction()
+        now = self._current_variant(self._variants(measured))
+        if current is not None and now is not None and now.unit_compute_s != measured["unit_compute_s"]:
+            # the current coding under the same decode model as the variants it is weighed against
+            step_now, _ = plan.simulate(self.unit_plan, now.unit_compute_s, self.slots.n_slots,
+                                        self.link_bytes_per_s, self.store.sim_args())
+            current = {**current, "predicted_step_s": step_now + measured["rest_s"]}
         best = self._best_variant(measured, self.budget)
         if best is None:
             return None
         _, native, chosen = best
         step = native.predicted_step_s + measured["rest_s"]
-        now_coded = getattr(self.store, "coded_mask", lambda: None)()
         same = (list(native.resident) == list(self.plan.resident) and native.slots == self.plan.slots
-                and (chosen.coded is None or chosen.coded == now_coded))
+                and (chosen.coded is None or self._current_variant([chosen]) is not None))
         return {
             "measured": chosen,
             "predicted_step_s": step,
@@ -510,6 +544,7 @@ class StreamingEngine:
             "slots": native.slots,
             "resident_units": sum(native.resident),
             "coded_fraction": (sum(chosen.coded) / len(chosen.coded)) if chosen.coded else None,
+            "codec": chosen.codec,
             "same_plan": same,
         }
 

@@ -70,12 +70,15 @@ LinkBytes = Callable[[list[Unit]], list[int]]
 class Measured:
     """What an earlier plan of a module measured, to plan it again with (``OffloadHandle.replan``):
     its granularity, each unit's compute seconds (with the decode of the units a codec is to code),
-    and, with a codec, the bytes each unit sends and which units are coded."""
+    and, with a codec, the bytes each unit sends, which units are coded and with which codec."""
 
     granularity: str
     unit_compute_s: list[float]
     link_bytes: list[int] | None = None
     coded: list[bool] | None = None
+    codec: str | None = None
+    """The codec of the store (``codec="lossless"`` may change it: ``off``, ``fixed``, ``tiered``), or
+    ``None`` for the route's own."""
 
 
 ComputeBytes = Callable[[list[Unit]], list[int]]

@@ -1,0 +1,141 @@
+"""``codec="lossless"``: the planner chooses the codec (``fixed``, ``tiered``) or none, and which units
+to code, by the step it predicts for each with the decode's cost on the SMs, then once more with the
+compute the second call measured. On the CPU engine the decode runs on the host in place of the copy
+(no decode rate to weigh: it codes nothing); the tests give it a decode rate, as a GPU's would be,
+to drive the choice both ways. Outputs stay bit-identical to the resident run through every choice
+and re-plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddo_blocks
+from ddo_blocks import routes
+from ddo_blocks.streaming import coded
+from ddo_blocks.streaming.arena import Arena, HostChunks
+
+from .helpers import assert_restored, snapshot
+from .test_codec import _ref, bf16_flux
+from ddo_blocks.tiny import flux_inputs
+
+
+def _rates(monkeypatch, rates: dict[str, float | None]) -> None:
+    monkeypatch.setattr(coded, "planning_rate", lambda device, codec: rates.get(codec))
+
+
+def test_without_a_decode_rate_lossless_codes_nothing_and_says_why():
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    snap = snapshot(model)
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="lossless")
+    for _ in range(3):
+        assert torch.equal(_ref(model, x), ref)
+    c = handle.report()["codec"]
+    assert c["requested"] == "lossless" and c["chosen"] == "off" and c["chosen_with"] == "the planner's prior"
+    assert set(c["candidates_predicted_s"]) == {"off"}
+    assert not hasattr(handle.engine.store, "codec")  # the uncompressed store
+    assert c["replan"].startswith("kept")
+    handle.remove()
+    assert_restored(model, snap)
+
+
+def test_a_fast_decode_on_a_slow_link_codes_every_unit_with_the_smaller_code(monkeypatch):
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.05")  # transfer-bound: fewer bytes win
+    _rates(monkeypatch, {"fixed": 1e15, "tiered": 1e15})
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="lossless")
+    c = handle.report()["codec"]
+    assert c["chosen"] == "tiered", c
+    assert set(c["candidates_predicted_s"]) == {"off", *(f"{k} {q}/4" for k in ("fixed", "tiered") for q in range(1, 5))}
+    assert handle.engine.store.codec == "tiered" and all(handle.engine.store.coded_mask()[u.index]
+                                                         for u in handle.engine.streamed)
+    for _ in range(3):
+        assert torch.equal(_ref(model, x), ref)
+    handle.remove()
+
+
+def test_a_slow_decode_codes_nothing_the_margin_keeps_a_near_tie_uncoded(monkeypatch):
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.05")
+    _rates(monkeypatch, {"fixed": 1e3, "tiered": 1e3})  # decoding costs far more than the bytes it saves
+    model = bf16_flux()
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="lossless")
+    assert handle.report()["codec"]["chosen"] == "off"
+    handle.remove()
+    # the margin: a coded plan predicted 1 % faster than none is not taken
+    found = {("off", 0): 1.0, ("fixed", 4): 0.99}
+    best = min(found, key=lambda k: found[k] * (1 + coded.LOSSLESS_MARGIN * k[1] / coded.QUARTERS))
+    assert best == ("off", 0)
+
+
+def test_the_second_call_re_plans_once_to_no_code_when_the_decode_does_not_pay(monkeypatch):
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.05")
+    rates = {"fixed": 1e15, "tiered": 1e15}
+    _rates(monkeypatch, rates)
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    snap = snapshot(model)
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="lossless")
+    first = handle.engine
+    assert first.store.codec == "tiered"
+    rates.update(fixed=1e3, tiered=1e3)  # as a compute-bound step would measure: the decode only costs
+    assert torch.equal(_ref(model, x), ref)  # the first call learns the order
+    assert handle.engine is first and handle.report()["codec"]["replan"].startswith("pending")
+    assert torch.equal(_ref(model, x), ref)  # the second measures each unit, then the re-plan
+    assert handle.engine is not first and not hasattr(handle.engine.store, "codec")
+    c = handle.report()["codec"]
+    assert c["chosen"] == "off" and c["chosen_with"] == "the compute the second call measured"
+    assert c["replan"].startswith("re-planned after the second call: tiered -> off"), c
+    engine = handle.engine
+    for _ in range(3):
+        assert torch.equal(_ref(model, x), ref)
+    assert handle.engine is engine  # once
+    handle.remove()
+    assert_restored(model, snap)
+
+
+def test_the_second_call_keeps_a_choice_the_measurement_confirms(monkeypatch):
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.05")
+    # one code only: the CPU engine's host decode lands in the measured compute, and the two codes'
+    # host decoders differ in speed where a GPU's kernels would not
+    _rates(monkeypatch, {"fixed": 1e15})
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="lossless")
+    first = handle.engine
+    for _ in range(3):
+        assert torch.equal(_ref(model, x), ref)
+    assert handle.engine is first
+    assert handle.report()["codec"]["replan"].startswith("kept"), handle.report()["codec"]
+    handle.remove()
+
+
+def test_lossless_is_refused_where_it_cannot_choose():
+    model = bf16_flux()
+    snap = snapshot(model)
+    arena = Arena(64 << 20, _backend=HostChunks(2 << 20, 64 << 20))
+    with pytest.raises(ddo_blocks.ConfigError, match="lossless.*linear route"):
+        ddo_blocks.offload(model, route="vmm", arena=arena, device="cpu", codec="lossless")
+    with pytest.raises(ddo_blocks.ConfigError, match="preset 'low_ram_safe'"):
+        ddo_blocks.offload(model, preset="low_ram_safe", vram_budget="min", device="cpu", codec="lossless")
+    with pytest.raises(ddo_blocks.ConfigError, match="not a codec"):
+        ddo_blocks.offload(model, vram_budget="min", device="cpu", codec=["fixed"])
+    assert ddo_blocks.get_handle(model) is None
+    assert_restored(model, snap)
+    # its reserve at "min" is the larger ring of the codes it may choose
+    cuda = torch.device("cuda")
+    assert coded.reserve_bytes(model, "lossless", cuda) == max(coded.reserve_bytes(model, c, cuda) for c in coded.CODES)
+    assert "lossless" in routes.get("linear").options or "codec" in routes.get("linear").options
+
+
+def test_spread_codes_the_fraction_evenly():
+    eligible = [True, False, True, True, True, False, True, True, True]
+    for q in range(coded.QUARTERS + 1):
+        mask = coded.spread(eligible, q)
+        assert sum(mask) == sum(eligible) * q // coded.QUARTERS
+        assert not any(m and not e for m, e in zip(mask, eligible))
