@@ -101,9 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(FLUX_DEV if cuda else TINY, dev).to("cpu").eval()
     sync()
     build_s = time.perf_counter() - t0
-    tokens = args.resolution // 16 if cuda else 4
-    x = make_inputs(model, height_tokens=tokens, width_tokens=tokens, text_tokens=512 if cuda else 8,
-                    device=dev, dtype=torch.bfloat16)
+    inputs: dict[int, Any] = {}
+
+    def use(resolution: int) -> None:
+        """Point ``x`` at this resolution's inputs (built once)."""
+        nonlocal x
+        if resolution not in inputs:
+            tokens = resolution // 16 if cuda else max(2, resolution // 256)
+            inputs[resolution] = make_inputs(model, height_tokens=tokens, width_tokens=tokens,
+                                             text_tokens=512 if cuda else 8, device=dev, dtype=torch.bfloat16)
+        x = inputs[resolution]
+
+    x: Any = None
+    use(args.resolution)
 
     def timed(n: int) -> tuple[list[float], Any]:
         out, times = None, []
@@ -116,15 +126,24 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - t)
         return times, out
 
-    with torch.no_grad():
-        model.to(dev)
-        timed(2)
-        times, ref = timed(args.repeats)
-        resident_s = statistics.median(times)
-        ref = ref.clone()
-        model.to("cpu")
-    if cuda:
-        torch.cuda.empty_cache()
+    resident: dict[int, tuple[float, Any]] = {}
+
+    def resident_at(resolution: int) -> tuple[float, Any]:
+        """The resident step and output at this resolution (measured once)."""
+        if resolution not in resident:
+            use(resolution)
+            with torch.no_grad():
+                model.to(dev)
+                timed(2)
+                times, out = timed(args.repeats)
+                resident[resolution] = (statistics.median(times), out.clone())
+                del out
+                model.to("cpu")
+            if cuda:
+                torch.cuda.empty_cache()
+        return resident[resolution]
+
+    resident_s, ref = resident_at(args.resolution)
     link = measure_bandwidth(dev, 1 << 30, [])["pinned_h2d_gb_s"] * 1e9 if cuda else None
     print(f"built in {build_s:.1f} s; resident step {resident_s:.4f} s; link {f'{link / 1e9:.2f} GB/s' if link else '-'}", flush=True)
 
@@ -139,13 +158,18 @@ def main(argv: list[str] | None = None) -> int:
                  for ring in ([0] if c == "off" else [int(r) for r in args.rings.split(",")])]
     default_buffers, default_ahead = coded.LANDING_BUFFERS, coded.LANDING_AHEAD
     rows: list[dict[str, Any]] = []
-    for budget_text, codec, ring, replan in specs:
+    for budget_spec, codec, ring, replan in specs:
+        budget_text, _, res_text = budget_spec.partition("@")  # BUDGET@RESOLUTION: another input size
+        resolution = int(res_text) if res_text else args.resolution
         coded.LANDING_BUFFERS, coded.LANDING_AHEAD = ((ring, ring), 1e9) if ring else (default_buffers,
                                                                                          default_ahead)
-        row: dict[str, Any] = {"budget": budget_text, "codec": codec, "ring": ring or "default",
-                               "replan": replan}
+        row: dict[str, Any] = {"budget": budget_spec, "codec": codec, "ring": ring or "default",
+                               "replan": replan, "resolution": resolution}
         handle = None
         try:
+            resident_s, ref = resident_at(resolution)
+            use(resolution)
+            row["resident_step_s"] = resident_s
             if budget_text == "min":
                 budget = ddo_blocks.minimum_budget(model)
                 if codec != "off":
@@ -158,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                                         component="transformer", **opts)
             row["setup_s"] = time.perf_counter() - t
             with torch.no_grad():
-                timed(3)
+                row["first_calls_s"] = timed(3)[0]  # lossless: its re-plan runs after the second
                 if replan:
                     t = time.perf_counter()
                     row["replanned"] = handle.replan()
@@ -178,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
                        predicted_step_s=plan.get("predicted_step_s"),
                        measured_plan_gain=plan.get("measured_plan_gain"),
                        measured_plan_coded_fraction=plan.get("measured_plan_coded_fraction"),
+                       chosen=cod.get("chosen") if cod.get("requested") else None,
+                       chosen_codec=cod.get("codec") if cod.get("coded_units") else "off",
+                       lossless=({k: cod.get(k) for k in ("chosen_with", "candidates_predicted_s", "replan",
+                                                          "measured_choice", "predicted_gain", "replan_s")}
+                                 if cod.get("requested") else None),
                        setup_phases={k: v for k, v in (rep.get("setup") or {}).items() if k.endswith("_s")})
             if link:
                 row["roofline_s"] = max(resident_s, streamed / link)
@@ -200,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
 
     uncompressed = {r["budget"]: r.get("step_s") for r in rows if r["codec"] == "off"}
+    for r in rows:
+        if r.get("chosen"):
+            r["codec_label"] = f"lossless -> {r['chosen_codec']}"
     lines = ["| budget | codec | ring | slots | step s | / uncompressed | / roofline | / compressed bound | link GB/call "
              "| setup s | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -219,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"command": "python -m benchmarks.codec_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
-           "resident_step_s": resident_s, "link_gb_s": link / 1e9 if link else None, "build_s": build_s,
+           "resident_step_s": resident[args.resolution][0],
+           "resident_step_s_by_resolution": {str(k): v[0] for k, v in resident.items()}, "link_gb_s": link / 1e9 if link else None, "build_s": build_s,
            "rows": rows}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

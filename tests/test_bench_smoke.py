@@ -285,11 +285,16 @@ def test_graph_host_benchmark_runs_on_the_cpu(tmp_path):
 def test_codec_sweep_runs_its_rows_on_the_cpu(tmp_path):
     from benchmarks import codec_sweep
 
-    rows = "min:off,min:fixed:4,min:tiered:0:replan"
+    rows = "min:off,min:fixed:4,min:tiered:0:replan,min@2048:lossless"
     assert codec_sweep.main(["--device", "cpu", "--rows", rows, "--repeats", "1", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "codec_sweep.json").read_text())
     got = {(r["codec"], r["ring"], r["replan"]): r for r in doc["rows"]}
-    assert set(got) == {("off", "default", False), ("fixed", 4, False), ("tiered", "default", True)}
+    assert set(got) == {("off", "default", False), ("fixed", 4, False), ("tiered", "default", True),
+                        ("lossless", "default", False)}
+    lossless = got[("lossless", "default", False)]
+    # another input size, its own resident run; on the CPU lossless codes nothing
+    assert lossless["resolution"] == 2048 and set(doc["resident_step_s_by_resolution"]) == {"1024", "2048"}
+    assert lossless["chosen"] == "off" and lossless["lossless"]["chosen_with"] == "the planner's prior"
     assert all("error" not in r and r["exact"] for r in doc["rows"]), doc["rows"]
     off = got[("off", "default", False)]
     for key in (("fixed", 4, False), ("tiered", "default", True)):  # the codecs send fewer bytes

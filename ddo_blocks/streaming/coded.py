@@ -404,7 +404,9 @@ class CodedSlabs(InMemoryStore):
         pinning: list[tuple[int, Future]] = []
         total = sum(e.layout_bytes)
         mask = self.mask  # a plan may code fewer units than shrink
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, _progress(
+        freeing: list[Future] = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ddo-free") as freer, _progress(
                 total, "coding", quiet=e.loader is not None) as bar:
             try:
                 for u, unit in enumerate(e.streamed):
@@ -431,11 +433,19 @@ class CodedSlabs(InMemoryStore):
                     self.units.append(layout)
                     self.buffers.append((storage, buf))
                     hollow = [_placeholder(p) for _, p in unit.params]
+                    # the original bytes go (unless the caller holds them too), freed on a thread of their
+                    # own while the next unit is coded (giving back 20 GB of pages takes most of a second);
+                    # at most two units behind, so host memory stays at about the coded size
+                    dead = [srcs, [p.data for _, p in unit.params]]
                     for (_, p), h in zip(unit.params, hollow):
-                        p.data = h  # the original bytes go (unless the caller holds them too)
+                        p.data = h
                     self._hollow.append(hollow)
                     self._coded.add(u)
                     del srcs
+                    freeing.append(freer.submit(dead.clear))
+                    del dead
+                    if len(freeing) > 2:
+                        freeing.pop(0).result()
                     if self.pin and layout.nbytes:
                         pinning.append((u, pool.submit(_native.HostRegistration, storage, buf.data_ptr(),
                                                        layout.nbytes, e.device.index or 0)))
