@@ -100,16 +100,24 @@ def test_the_second_call_re_plans_once_to_no_code_when_the_decode_does_not_pay(m
 
 def test_the_second_call_keeps_a_choice_the_measurement_confirms(monkeypatch):
     monkeypatch.setenv("DDO_LINK_GBPS", "0.05")
-    # one code only: the CPU engine's host decode lands in the measured compute, and the two codes'
-    # host decoders differ in speed where a GPU's kernels would not
-    _rates(monkeypatch, {"fixed": 1e15})
+    _rates(monkeypatch, {"fixed": 1e15, "tiered": 1e15})
     model = bf16_flux()
     x = flux_inputs(model)
     ref = _ref(model, x)
     handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="lossless")
     first = handle.engine
-    for _ in range(3):
+    assert first.store.codec == "tiered"
+    for _ in range(2):
         assert torch.equal(_ref(model, x), ref)
+    # the variants it weighed sized the other code from the tensors' shapes at offload time, not from
+    # the one-value placeholders the coded units' parameters point at now
+    measured = first.scheduler.calibration.resolve(len(first.units))
+    variants = coded.measured_variants(first, measured["unit_compute_s"], coded.CODES, with_off=True)
+    fixed_all = next(v for v in variants if v.codec == "fixed" and all(v.coded[u.index] for u in first.streamed))
+    streamed = [u.index for u in first.streamed]
+    sent = sum(fixed_all.link_bytes[i] for i in streamed) / sum(first.unit_bytes[i] for i in streamed)
+    assert 0.7 < sent < 0.8, sent
+    assert torch.equal(_ref(model, x), ref)
     assert handle.engine is first
     assert handle.report()["codec"]["replan"].startswith("kept"), handle.report()["codec"]
     handle.remove()

@@ -160,12 +160,13 @@ def landing_count(module: nn.Module, codec: str = "fixed") -> int:
 def coded_estimate(units: list[Any], codec: str) -> list[int]:
     """Per unit, the bytes a coded fetch sends, before the weights are read: coded bf16 tensors at
     their chunk layout (fixed: without escapes, about 0.751x; tiered: :data:`TIERED_ESTIMATE`,
-    about 0.69x), the rest as they are."""
+    about 0.69x), the rest as they are. ``units``: units, or per unit its tensors (or their
+    ``units.geometry``: a coded unit's parameters are placeholders)."""
     tier2, esc = TIERED_ESTIMATE if codec == "tiered" else (0.0, 0.0)
     out = []
     for unit in units:
         total = 0
-        for _, p in unit.params:
+        for p in ([p for _, p in unit.params] if hasattr(unit, "params") else unit):
             values = _bf16_values(p)
             total += _probe_bytes(values, codec, esc, tier2) if values >= MIN_CODED_VALUES else span_nbytes(p)
         out.append(total)
@@ -304,6 +305,10 @@ def measured_variants(engine: Any, unit_compute_s: list[float], codecs: tuple[st
         return []
     n = len(e.units)
     raw = list(e.unit_bytes)
+    # each unit's tensors as they were at offload time (a streamed unit's now point at placeholders)
+    shapes: list[Any] = [[p for _, p in u.params] for u in e.units]
+    for k, unit in enumerate(e.streamed):
+        shapes[unit.index] = e.geometry[k]
     actual: dict[int, Any] = {}  # unit -> the store's coded unit, where it codes some of it
     if now in CODES:
         for k, unit in enumerate(e.streamed):
@@ -318,7 +323,7 @@ def measured_variants(engine: Any, unit_compute_s: list[float], codecs: tuple[st
         rate = rates[codec]
         if not rate:
             continue
-        sent = [min(c, r) for c, r in zip(coded_estimate(e.units, codec), raw)]
+        sent = [min(c, r) for c, r in zip(coded_estimate(shapes, codec), raw)]
         decoded = [r if c < r else 0 for c, r in zip(sent, raw)]
         if codec == now:
             for i, cu in actual.items():
