@@ -29,7 +29,8 @@ REPLAN_MIN_GAIN = 0.05
 
 LOSSLESS_REPLAN_GAIN = 0.02
 """``codec="lossless"`` attaches again after the second call when the compute it measured makes
-another coding (codec, or fraction of the units coded) predicted this much faster."""
+another coding (codec, or fraction of the units coded) predicted this much faster; one that codes
+fewer units, when it is predicted at least as fast (the decode shares the SMs with the model)."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -211,8 +212,12 @@ class OffloadHandle:
         if same or not coded_now and not coded_new:
             note["replan"] = "kept: the measured compute chooses the same coding"
             return
-        if better["gain"] is None or better["gain"] < LOSSLESS_REPLAN_GAIN:
-            note["replan"] = f"kept: the measured choice is predicted less than {LOSSLESS_REPLAN_GAIN:.0%} faster"
+        # coding more must pay for the re-build; coding less (decode the model's SMs do not need) must
+        # only not be predicted slower
+        need = 0.0 if sum(chosen.coded or ()) < sum(now_coded) else LOSSLESS_REPLAN_GAIN
+        if better["gain"] is None or better["gain"] < need:
+            note["replan"] = (f"kept: the measured choice is predicted less than {need:.0%} faster" if need else
+                              "kept: coding less is not predicted faster")
             return
         t0 = time.perf_counter()
         failed = self._attach_again(self.vram_budget, measured=chosen, fallback_budget=self.vram_budget)
