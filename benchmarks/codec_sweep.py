@@ -43,19 +43,25 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     x, ticks, labels = 0.0, [], []
     for budget in dict.fromkeys(r["budget"] for r in rows):
         for r in (r for r in rows if r["budget"] == budget):
-            ax.bar(x, r["step_s"], width=0.8, color=colors.get(r["codec"], "tab:purple"))
+            lossless = r["codec"] == "lossless"  # the codec it chose, hatched
+            ax.bar(x, r["step_s"], width=0.8, color=colors.get(r.get("chosen_codec") if lossless else r["codec"],
+                                                               "tab:purple"), hatch="//" if lossless else None)
             if r.get("roofline_s"):
                 ax.hlines(r["roofline_s"], x - 0.4, x + 0.4, colors="k", linestyles="--")
             if r.get("bound_s") and r["codec"] != "off":
                 ax.hlines(r["bound_s"], x - 0.4, x + 0.4, colors="tab:red")
             ring = "" if r["codec"] == "off" or r["ring"] == "default" else f" r{r['ring']}"
-            labels.append(f"{budget}\n{r['codec']}{ring}{'+rp' if r.get('replan') else ''}")
+            name = f"lossless:\n{r.get('chosen_codec')}" if lossless else r["codec"]
+            labels.append(f"{budget}\n{name}{ring}{'+rp' if r.get('replan') else ''}")
             ticks.append(x)
             x += 1
         x += 0.6
     ax.set_xticks(ticks, labels, fontsize=8)
     ax.set_ylabel("step s (median)")
-    ax.set_title(f"codec rows, {doc.get('device', '')}: resident step {doc['resident_step_s']:.3f} s", fontsize=10)
+    by_res = doc.get("resident_step_s_by_resolution") or {}
+    resident = ", ".join(f"{k}: {v:.3f} s" for k, v in by_res.items()) or f"{doc['resident_step_s']:.3f} s"
+    ax.set_title(f"codec rows, {doc.get('device', '')}: resident step {resident} (hatched: codec='lossless', "
+                 "coloured by what it chose)", fontsize=9)
     ax.legend(handles=[*(Patch(color=c, label=k) for k, c in colors.items()),
                        Line2D([], [], color="k", ls="--", label="roofline (uncompressed)"),
                        Line2D([], [], color="tab:red", label="compressed bound")], fontsize=8, loc="upper right")
