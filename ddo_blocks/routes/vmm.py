@@ -19,7 +19,7 @@ PRESETS = (
         "weights in a CUDA virtual-memory arena shared by the components given the same Arena (one "
         "vram_budget for all): each call may use the chunks the others keep resident, which return at the "
         "same addresses on their next call; streaming as one_shot_fast (pinned slabs: host RAM ~1.0x weights; "
-        "codec='fixed'/'tiered' as on the linear route)",
+        "codec='fixed'/'tiered' as on the linear route, not 'lossless')",
         HostMode.PINNED_SLABS,
     ),
 )
