@@ -331,8 +331,18 @@ fn corrupt(msg: String) -> CoreError {
 /// Decodes one chunk of `out.len()` values with `n_esc` escapes from `coded` (at least
 /// [`chunk_layout`]`(out.len(), n_esc).nbytes` bytes). A chunk that is not what [`encode_chunk`]
 /// writes (a base out of range, escapes out of order or not matching the codes) is an error.
+/// [`decode_blocks`] and [`apply_escapes`] are its two halves, for decoding ranges in parallel.
 pub fn decode_chunk(coded: &[u8], n_esc: usize, out: &mut [u16]) -> Result<()> {
     let n = out.len();
+    let escaped = decode_blocks(coded, n, n_esc, 0, out)?;
+    if escaped != n_esc {
+        return Err(corrupt(format!("{n_esc} escapes listed, {escaped} used")));
+    }
+    apply_escapes(coded, n_esc, out)
+}
+
+/// The sections of a chunk of `n` values and `n_esc` escapes in `coded`, checked to fit.
+fn sections(coded: &[u8], n: usize, n_esc: usize) -> Result<ChunkLayout> {
     let lay = chunk_layout(n, n_esc);
     if coded.len() < lay.nbytes {
         return Err(corrupt(format!(
@@ -341,11 +351,35 @@ pub fn decode_chunk(coded: &[u8], n_esc: usize, out: &mut [u16]) -> Result<()> {
             coded.len()
         )));
     }
-    // the sections as slices of exactly their length, so the loop below indexes without checks
-    let bases = &coded[lay.bases..lay.bases + n.div_ceil(BLOCK)];
-    let signs = &coded[lay.signs..lay.signs + n];
-    let codes = &coded[lay.codes..lay.codes + n.div_ceil(2)];
-    let mut escaped = 0usize; // codes that say ESCAPE: the escape list fills them in below
+    Ok(lay)
+}
+
+/// Decodes values `first..first + out.len()` of a chunk of `n` values with `n_esc` escapes (`first`
+/// starts a block; the range ends at a block's end or at `n`), each escaped value's exponent left 0
+/// for [`apply_escapes`]. Returns how many of its codes say [`ESCAPE`]: the ranges' sum must be
+/// `n_esc`. Ranges decode independently (in parallel).
+pub fn decode_blocks(
+    coded: &[u8],
+    n: usize,
+    n_esc: usize,
+    first: usize,
+    out: &mut [u16],
+) -> Result<usize> {
+    let lay = sections(coded, n, n_esc)?;
+    let len = out.len();
+    if !first.is_multiple_of(BLOCK) || first + len > n || (first + len != n && !len.is_multiple_of(BLOCK))
+    {
+        return Err(CoreError::InvalidArgument(format!(
+            "decode_blocks of values {first}..{} of {n}: not whole blocks",
+            first + len
+        )));
+    }
+    // the range's sections as slices of exactly their length, so the loop below indexes without checks
+    let b0 = first / BLOCK;
+    let bases = &coded[lay.bases + b0..lay.bases + b0 + len.div_ceil(BLOCK)];
+    let signs = &coded[lay.signs + first..lay.signs + first + len];
+    let codes = &coded[lay.codes + first / 2..lay.codes + first / 2 + len.div_ceil(2)];
+    let mut escaped = 0usize; // codes that say ESCAPE: the escape list fills them in
     for (b, ((block, base), (s, c))) in out
         .chunks_mut(BLOCK)
         .zip(bases)
@@ -354,7 +388,7 @@ pub fn decode_chunk(coded: &[u8], n_esc: usize, out: &mut [u16]) -> Result<()> {
     {
         let base = u16::from(*base);
         if !(1..=255 - WINDOW).contains(&base) {
-            return Err(corrupt(format!("block {b} has base exponent {base}")));
+            return Err(corrupt(format!("block {} has base exponent {base}", b0 + b)));
         }
         // exponent of each 4-bit code, shifted into place: 0 zero/subnormal, 1..=14 the window,
         // ESCAPE a placeholder (0) the escape list overwrites
@@ -375,11 +409,18 @@ pub fn decode_chunk(coded: &[u8], n_esc: usize, out: &mut [u16]) -> Result<()> {
             }
         }
     }
-    if escaped != n_esc {
-        return Err(corrupt(format!("{n_esc} escapes listed, {escaped} used")));
-    }
-    // the escapes, in value order, each at a value whose code says ESCAPE: with the counts equal
-    // above, the list and the escape codes match one to one
+    Ok(escaped)
+}
+
+/// Writes the escape list's exponents into a chunk's values `out` (all of them) decoded by
+/// [`decode_blocks`], whose ranges counted `n_esc` escape codes in all: each entry must be for the
+/// next value whose code says [`ESCAPE`], in order.
+pub fn apply_escapes(coded: &[u8], n_esc: usize, out: &mut [u16]) -> Result<()> {
+    let n = out.len();
+    let lay = sections(coded, n, n_esc)?;
+    let codes = &coded[lay.codes..lay.codes + n.div_ceil(2)];
+    // the escapes, in value order, each at a value whose code says ESCAPE: with the counts equal,
+    // the list and the escape codes match one to one
     let mut last = None;
     for (k, entry) in coded[lay.escapes..lay.escapes + 4 * n_esc]
         .chunks_exact(4)

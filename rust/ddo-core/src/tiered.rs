@@ -470,8 +470,43 @@ fn corrupt(msg: String) -> CoreError {
 /// Decodes one chunk of `out.len()` values with these counts from `coded` (at least
 /// [`tiered_layout`]`(n, counts).nbytes` bytes). A chunk that is not what [`encode_chunk`] writes
 /// (parameters out of range, offsets or escapes that do not match the codes) is an error.
+/// [`decode_blocks`] and [`apply_escapes`] are its two halves, for decoding ranges in parallel.
 pub fn decode_chunk(coded: &[u8], counts: Counts, out: &mut [u16]) -> Result<()> {
     let n = out.len();
+    let range = decode_blocks(coded, n, counts, 0, out)?;
+    if range.start_group != 0 {
+        return Err(corrupt(format!(
+            "block 0 starts its tier-2 codes at group {}, expected 0",
+            range.start_group
+        )));
+    }
+    apply_escapes(coded, counts, range.end_group, &range.escaped, out)
+}
+
+/// What [`decode_blocks`] found in its range: the tier-2 groups it read (from its first block's
+/// offset to the next range's), and its values whose tier-2 code is an escape, in order.
+#[derive(Debug, Default)]
+pub struct BlockRange {
+    /// The tier-2 group its first block starts at (its offset as stored).
+    pub start_group: usize,
+    /// The group after its last block's codes.
+    pub end_group: usize,
+    /// Chunk indices of the values the escape list fills in.
+    pub escaped: Vec<usize>,
+}
+
+/// Decodes values `first..first + out.len()` of a chunk of `n` values with these counts (`first`
+/// starts a block; the range ends at a block's end or at `n`), escaped exponents left for
+/// [`apply_escapes`]. Each block's tier-2 offset must follow from the one before inside the range;
+/// between ranges the caller checks that one's `end_group` is the next one's `start_group` (the
+/// first's 0). Ranges decode independently (in parallel).
+pub fn decode_blocks(
+    coded: &[u8],
+    n: usize,
+    counts: Counts,
+    first: usize,
+    out: &mut [u16],
+) -> Result<BlockRange> {
     let lay = tiered_layout(n, counts);
     if coded.len() < lay.nbytes {
         return Err(corrupt(format!(
@@ -480,23 +515,39 @@ pub fn decode_chunk(coded: &[u8], counts: Counts, out: &mut [u16]) -> Result<()>
             coded.len()
         )));
     }
+    let len = out.len();
+    if !first.is_multiple_of(BLOCK) || first + len > n || (first + len != n && !len.is_multiple_of(BLOCK))
+    {
+        return Err(CoreError::InvalidArgument(format!(
+            "decode_blocks of values {first}..{} of {n}: not whole blocks",
+            first + len
+        )));
+    }
     let nb = n.div_ceil(BLOCK);
+    let b0 = first / BLOCK;
     // the sections as slices of exactly their length: the loops below index without checks
     let offsets = &coded[lay.offsets..lay.offsets + 4 * nb];
     let params = &coded[lay.params..lay.params + 2 * nb];
-    let signs = &coded[lay.signs..lay.signs + n];
-    let tier1 = &coded[lay.tier1..lay.tier1 + n.div_ceil(4)];
+    let signs = &coded[lay.signs + first..lay.signs + first + len];
+    let tier1 = &coded[lay.tier1 + first / 4..lay.tier1 + (first + len).div_ceil(4)];
     let tier2 = &coded[lay.tier2..lay.tier2 + 3 * counts.groups];
+    let offset_of = |b: usize| {
+        let o = &offsets[4 * b..4 * b + 4];
+        u32::from_le_bytes([o[0], o[1], o[2], o[3]]) as usize
+    };
     let mut at = [0u16; BLOCK]; // a block's values that read tier 2, in order
-    let mut escaped: Vec<usize> = Vec::new(); // values whose tier-2 code is an escape, in order
-    let mut group = 0usize;
-    for (b, (block, (s, t1))) in out
+    let mut range = BlockRange {
+        start_group: if len == 0 { 0 } else { offset_of(b0) },
+        ..BlockRange::default()
+    };
+    let mut group = range.start_group;
+    for (bi, (block, (s, t1))) in out
         .chunks_mut(BLOCK)
         .zip(signs.chunks(BLOCK).zip(tier1.chunks(BLOCK / 4)))
         .enumerate()
     {
-        let o = &offsets[4 * b..4 * b + 4];
-        let offset = u32::from_le_bytes([o[0], o[1], o[2], o[3]]) as usize;
+        let b = b0 + bi;
+        let offset = offset_of(b);
         if offset != group {
             return Err(corrupt(format!(
                 "block {b} starts its tier-2 codes at group {offset}, expected {group}"
@@ -540,22 +591,45 @@ pub fn decode_chunk(coded: &[u8], counts: Counts, out: &mut [u16]) -> Result<()>
                 let c2 = ((word >> (3 * q)) & 7) as usize;
                 block[usize::from(j)] |= lut2[c2];
                 if c2 == usize::from(T2_ESCAPE) {
-                    escaped.push(b * BLOCK + usize::from(j));
+                    range.escaped.push(b * BLOCK + usize::from(j));
                 }
             }
         }
         group += groups;
     }
-    if group != counts.groups || escaped.len() != counts.escapes {
+    range.end_group = group;
+    Ok(range)
+}
+
+/// Writes the escape list's exponents into a chunk's values `out` (all of them) decoded by
+/// [`decode_blocks`]: the ranges' tier-2 groups must end at `end_group == counts.groups`, and
+/// `escaped` (their escaped values, in order) must be the list's entries one to one.
+pub fn apply_escapes(
+    coded: &[u8],
+    counts: Counts,
+    end_group: usize,
+    escaped: &[usize],
+    out: &mut [u16],
+) -> Result<()> {
+    let n = out.len();
+    let lay = tiered_layout(n, counts);
+    if coded.len() < lay.nbytes {
         return Err(corrupt(format!(
-            "{counts:?} listed, {group} groups and {} escapes used",
+            "{n} values with {counts:?} need {} bytes, got {}",
+            lay.nbytes,
+            coded.len()
+        )));
+    }
+    if end_group != counts.groups || escaped.len() != counts.escapes {
+        return Err(corrupt(format!(
+            "{counts:?} listed, {end_group} groups and {} escapes used",
             escaped.len()
         )));
     }
     let list = &coded[lay.escapes..lay.escapes + 4 * counts.escapes];
-    for (k, (entry, &i)) in list.chunks_exact(4).zip(&escaped).enumerate() {
+    for (k, (entry, &i)) in list.chunks_exact(4).zip(escaped).enumerate() {
         let entry = u32::from_le_bytes([entry[0], entry[1], entry[2], entry[3]]);
-        if (entry >> 8) as usize != i {
+        if (entry >> 8) as usize != i || i >= n {
             return Err(corrupt(format!(
                 "escape {k} is for value {}, expected {i}",
                 entry >> 8

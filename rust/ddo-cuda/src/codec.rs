@@ -593,7 +593,9 @@ fn decode_piece(kind: &PieceKind, inp: &[u8], out: &mut [u16]) -> Result<()> {
 }
 
 /// Decodes `unit`'s host buffer at `src` back into its tensors `(address, bytes)` (the inverse
-/// of [`encode_unit`]), every piece in parallel.
+/// of [`encode_unit`]): every raw piece and every [`codec::SUB_ELEMS`]-value range of every coded
+/// chunk in parallel (`decode_blocks` of either code), then each chunk's escapes (`apply_escapes`,
+/// after the checks that tie its ranges together), chunks in parallel.
 ///
 /// # Safety
 /// `src` is `unit.nbytes` readable host bytes, each tensor its given bytes of writable host
@@ -602,38 +604,107 @@ fn decode_piece(kind: &PieceKind, inp: &[u8], out: &mut [u16]) -> Result<()> {
 pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize)]) -> Result<()> {
     check_unit_tensors(unit, tensors)?;
     crate::host::check_host_range("coded unit buffer", src, unit.nbytes)?;
-    unit.pieces.par_iter().try_for_each(|p| {
-        // SAFETY: the piece lies in the unit's buffer.
-        let inp = unsafe { std::slice::from_raw_parts((src + p.src) as *const u8, p.len) };
-        match &p.kind {
-            PieceKind::Raw(segs) => {
-                for s in segs {
-                    // SAFETY: the segment lies in its tensor, which no other piece writes there.
-                    let out = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            (tensors[s.tensor].0 + s.tensor_offset) as *mut u8,
-                            s.len,
-                        )
-                    };
-                    out.copy_from_slice(&inp[s.offset..s.offset + s.len]);
-                }
-                Ok(())
-            }
+    let bad = |e: ddo_core::CoreError| CudaError::InvalidArgument(e.to_string());
+    // SAFETY (every slice below): a piece lies in the unit's buffer (checked at layout), a chunk's
+    // values in its tensor, which no other piece writes; ranges of one chunk are disjoint.
+    let input = |p: &codec::Piece| unsafe { std::slice::from_raw_parts((src + p.src) as *const u8, p.len) };
+    let output = |tensor: usize, first: usize, values: usize| unsafe {
+        std::slice::from_raw_parts_mut((tensors[tensor].0 as *mut u16).add(first), values)
+    };
+    enum Task<'a> {
+        Raw(&'a codec::Piece, &'a [codec::Segment]),
+        Range { chunk: usize, first: usize, len: usize },
+    }
+    // (piece, tensor, first value, values, tiered counts) of every coded chunk
+    let chunks: Vec<_> = unit
+        .pieces
+        .iter()
+        .filter_map(|p| match &p.kind {
             PieceKind::Coded {
                 tensor,
                 first_value,
                 values,
                 ..
-            } => {
-                // SAFETY: the chunk lies in its tensor, which no other piece writes there.
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        (tensors[*tensor].0 as *mut u16).add(*first_value),
-                        *values,
-                    )
-                };
-                decode_piece(&p.kind, inp, out)
+            } => Some((p, *tensor, *first_value, *values, p.kind.tiered_counts())),
+            PieceKind::Raw(_) => None,
+        })
+        .collect();
+    let mut tasks = Vec::new();
+    for p in &unit.pieces {
+        if let PieceKind::Raw(segs) = &p.kind {
+            tasks.push(Task::Raw(p, segs));
+        }
+    }
+    for (c, &(_, _, _, values, _)) in chunks.iter().enumerate() {
+        tasks.extend(codec::subs(values).map(|(first, len)| Task::Range { chunk: c, first, len }));
+    }
+    // per task: the escape codes it counted (fixed-rate), or its tier-2 range (two-tier)
+    let found: Vec<(usize, Option<tiered::BlockRange>, usize)> = tasks
+        .par_iter()
+        .map(|t| match *t {
+            Task::Raw(p, segs) => {
+                let inp = input(p);
+                for s in segs {
+                    // SAFETY: the segment lies in its tensor, which no other piece writes there.
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut((tensors[s.tensor].0 + s.tensor_offset) as *mut u8, s.len)
+                    };
+                    out.copy_from_slice(&inp[s.offset..s.offset + s.len]);
+                }
+                Ok((usize::MAX, None, 0))
             }
+            Task::Range { chunk, first, len } => {
+                let (p, tensor, first_value, values, counts) = chunks[chunk];
+                let out = output(tensor, first_value + first, len);
+                match (counts, &p.kind) {
+                    (Some(counts), _) => tiered::decode_blocks(input(p), values, counts, first, out)
+                        .map(|r| (chunk, Some(r), 0)),
+                    (None, PieceKind::Coded { escapes, .. }) => {
+                        codec::decode_blocks(input(p), values, *escapes, first, out).map(|e| (chunk, None, e))
+                    }
+                    (None, PieceKind::Raw(_)) => unreachable!("chunks holds coded pieces only"),
+                }
+                .map_err(bad)
+            }
+        })
+        .collect::<Result<_>>()?;
+    // each chunk's ranges, in order (tasks were pushed chunk by chunk, ranges in order)
+    let mut per_chunk: Vec<Vec<(Option<tiered::BlockRange>, usize)>> = (0..chunks.len()).map(|_| Vec::new()).collect();
+    for (chunk, range, escaped) in found {
+        if chunk != usize::MAX {
+            per_chunk[chunk].push((range, escaped));
+        }
+    }
+    per_chunk.into_par_iter().enumerate().try_for_each(|(c, ranges)| {
+        let (p, tensor, first_value, values, counts) = chunks[c];
+        let out = output(tensor, first_value, values);
+        match (counts, &p.kind) {
+            (Some(counts), _) => {
+                let mut group = 0usize;
+                let mut escaped = Vec::new();
+                for (k, (range, _)) in ranges.into_iter().enumerate() {
+                    let range = range.expect("a two-tier chunk's ranges carry their groups");
+                    if range.start_group != group {
+                        return Err(CudaError::InvalidArgument(format!(
+                            "corrupt tiered chunk: range {k} starts its tier-2 codes at group {}, expected {group}",
+                            range.start_group
+                        )));
+                    }
+                    group = range.end_group;
+                    escaped.extend(range.escaped);
+                }
+                tiered::apply_escapes(input(p), counts, group, &escaped, out).map_err(bad)
+            }
+            (None, PieceKind::Coded { escapes, .. }) => {
+                let used: usize = ranges.iter().map(|&(_, e)| e).sum();
+                if used != *escapes {
+                    return Err(CudaError::InvalidArgument(format!(
+                        "corrupt coded chunk: {escapes} escapes listed, {used} used"
+                    )));
+                }
+                codec::apply_escapes(input(p), *escapes, out).map_err(bad)
+            }
+            (None, PieceKind::Raw(_)) => unreachable!("chunks holds coded pieces only"),
         }
     })
 }
@@ -999,6 +1070,51 @@ mod tests {
     #[test]
     fn a_tiered_unit_round_trips_through_the_host_buffer_and_a_cpu_fetch() {
         round_trip_unit(true);
+    }
+
+    #[test]
+    fn a_corrupt_unit_decodes_to_an_error_or_values_never_a_panic() {
+        // two ranges per chunk, so the checks that tie ranges together run too
+        for tiered in [false, true] {
+            let a = weights(66_000, 3);
+            let specs = [TensorSpec {
+                dst: 0,
+                nbytes: 2 * a.len(),
+                bf16: true,
+            }];
+            let tensors = [(a.as_ptr() as usize, 2 * a.len())];
+            let bf16 = [(tensors[0].0, a.len())];
+            let unit = if tiered {
+                // SAFETY: a live vector of that many u16s.
+                let (escapes, groups) = unsafe { count_tiered_many(&bf16) }.unwrap();
+                layout_coded_unit(&specs, &escapes, Some(&groups), usize::MAX).unwrap()
+            } else {
+                // SAFETY: as above.
+                let counts = unsafe { count_escapes_many(&bf16) }.unwrap();
+                layout_coded_unit(&specs, &counts, None, usize::MAX).unwrap()
+            };
+            let mut host = vec![0u8; unit.nbytes];
+            // SAFETY: `host` has `unit.nbytes` bytes, the tensor its length, both live.
+            unsafe { encode_unit(&unit, &tensors, host.as_mut_ptr() as usize) }.unwrap();
+            let mut back = vec![0u16; a.len()];
+            let outs = [(back.as_mut_ptr() as usize, 2 * a.len())];
+            let (mut failed, mut wrong) = (0, 0);
+            for at in (0..host.len()).step_by(251) {
+                for flip in [0x00u8, 0xff, host[at] ^ 0x5a] {
+                    let mut bad = host.clone();
+                    bad[at] = flip;
+                    // SAFETY: `bad` has the unit's bytes, `back` the tensor's; both live.
+                    match unsafe { decode_unit(&unit, bad.as_ptr() as usize, &outs) } {
+                        Err(_) => failed += 1,
+                        Ok(()) => wrong += usize::from(back != a),
+                    }
+                }
+            }
+            assert!(failed > 0 && wrong > 0, "tiered {tiered}: {failed} errors, {wrong} other values");
+            // SAFETY: as above, the intact buffer.
+            unsafe { decode_unit(&unit, host.as_ptr() as usize, &outs) }.unwrap();
+            assert_eq!(back, a);
+        }
     }
 
     fn round_trip_unit(tiered: bool) {
