@@ -27,6 +27,9 @@ _UNUSABLE_ATTR = "_ddo_unusable"
 REPLAN_MIN_GAIN = 0.05
 """``OffloadHandle.replan`` attaches the measured plan when it is predicted this much faster."""
 
+LOSSLESS_TIE = 1e-6
+"""Predicted gains smaller than this are ties (the simulator and the planner round differently): kept."""
+
 LOSSLESS_REPLAN_GAIN = 0.02
 """``codec="lossless"`` attaches again after the second call when the compute it measured makes
 another coding (codec, or fraction of the units coded) predicted this much faster; one that codes
@@ -140,6 +143,7 @@ class OffloadHandle:
             return
         new = auto.decide()
         if new is None:
+            self._wire_lossless_if_asked()  # the budget stays: codec="lossless" still weighs its coding
             return
         if hasattr(engine, "measured_for"):
             # The next call measures each unit's compute (the calibration call): the re-plan waits
@@ -182,6 +186,11 @@ class OffloadHandle:
         log.info("ddo_blocks: %s: vram_budget='auto' %s", self.component, auto.reason)
 
     # -- codec="lossless" ------------------------------------------------------------------------------
+    def _wire_lossless_if_asked(self) -> None:
+        if self._rebuild is not None and self._rebuild[1].get("codec") == "lossless" and \
+                getattr(self.engine, "after_entry_call", 0) is None:
+            self._wire_lossless()
+
     def _wire_lossless(self) -> None:
         """After the second call (the calibration call, which measures each unit's compute), weighs the
         codings again with that compute and attaches the best once (:meth:`_after_lossless_call`)."""
@@ -215,7 +224,7 @@ class OffloadHandle:
         # coding more must pay for the re-build; coding less (decode the model's SMs do not need) must
         # only not be predicted slower
         need = 0.0 if sum(chosen.coded or ()) < sum(now_coded) else LOSSLESS_REPLAN_GAIN
-        if better["gain"] is None or better["gain"] < need:
+        if better["gain"] is None or better["gain"] < need or abs(better["gain"]) < LOSSLESS_TIE:
             note["replan"] = (f"kept: the measured choice is predicted less than {need:.0%} faster" if need else
                               "kept: coding less is not predicted faster")
             return
@@ -247,7 +256,7 @@ class OffloadHandle:
             return
         log.info("ddo_blocks: %s: re-planned on the auto arena with %s", self.component, fmt_bytes(new))
 
-    def _attach_again(self, budget: int | None, *, fallback_budget: int | None, measured: Any = None) -> DdoError | None:
+    def _attach_again(self, budget: int | None, *, fallback_budget: int | None, measured: Any = None) -> Exception | None:
         """Detaches the engine and attaches a new one of the same route and options planned with
         ``budget`` (and ``measured``); if that attach fails, one planned with ``fallback_budget`` and no
         measurement (the plan that worked). Returns the first attempt's error, or ``None``."""
@@ -262,7 +271,7 @@ class OffloadHandle:
 
         try:
             self.preset, self.engine = build(budget, measured)
-        except DdoError as exc:
+        except Exception as exc:  # noqa: BLE001 - out of host memory too: the plan that worked goes back
             _, self.engine = build(fallback_budget, None)
             return exc
         return None

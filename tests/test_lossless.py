@@ -147,3 +147,37 @@ def test_spread_codes_the_fraction_evenly():
         mask = coded.spread(eligible, q)
         assert sum(mask) == sum(eligible) * q // coded.QUARTERS
         assert not any(m and not e for m, e in zip(mask, eligible))
+
+
+def test_measured_variants_plan_each_code_with_its_own_landing_buffers(monkeypatch):
+    # landing buffers as on a GPU; read from the module before it was coded (its streamed parameters
+    # are placeholders afterwards)
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.05")
+    _rates(monkeypatch, {"fixed": 1e15, "tiered": 1e15})
+    real = coded.reserve_bytes
+    monkeypatch.setattr(coded, "reserve_bytes", lambda m, c, d: real(m, c, torch.device("cuda")))
+    model = bf16_flux()
+    want = {c: real(model, c, torch.device("cuda")) for c in ("off", *coded.CODES)}
+    assert want["fixed"] != want["tiered"] and want["off"] == 0
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="lossless")
+    engine = handle.engine
+    assert engine._codec_reserves == want
+    for _ in range(2):
+        assert torch.equal(_ref(model, x), ref)
+    measured = engine.scheduler.calibration.resolve(len(engine.units))
+    planned = []
+    for v in engine._variants(measured):  # every variant plans at "min" with its own reserve
+        reserve = engine.reserve_bytes - want[engine.store.codec] + want[v.codec]
+        planned.append(engine._native_plan(engine.unit_bytes, engine.budget, v.unit_compute_s, v.link_bytes, reserve))
+    assert len(planned) == 1 + 2 * coded.QUARTERS
+    handle.remove()
+
+
+def test_with_graph_lossless_codes_nothing_and_says_why():
+    model = bf16_flux()
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="lossless", graph=True)
+    c = handle.report()["codec"]
+    assert c["chosen"] == "off" and c["chosen_with"].startswith("graph=True")
+    handle.remove()

@@ -127,6 +127,9 @@ def _lossless(req: EngineRequest, chosen: Any, units: str, graph: bool) -> Engin
         # the measured mask says which units; no codec: no decode rate to weigh (the CPU engine), none
         codec, quarters = measured.codec or "off", coded.QUARTERS
         how, predicted = "the compute the second call measured", {}
+    elif graph:
+        codec, quarters, predicted = "off", 0, {}
+        how = "graph=True: a CUDA graph cannot replay the decode stream yet"
     else:
         choice = coded.choose_lossless(req.module, chosen, req.budget, req.device, units)
         codec, quarters, predicted = choice.codec, choice.quarters, choice.predicted_s

@@ -61,6 +61,10 @@ def _fixed_bytes(module: Any, units: str, codec: str, device: Any) -> int:
     return plan.buffer_bytes(module) + sum(p.numel() * p.element_size() for _, p in leftovers) + landing
 
 
+LOSSLESS_REFUSED = ("codec='lossless' (the planner chooses the codec) is the linear route's; on the vmm route pass "
+                    "codec='fixed' or 'tiered'")
+
+
 def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
           name: str | None = None, **_: Any) -> None:
     """Refuses the CPU (without a test arena) before anything moves; tells the arena a component that
@@ -68,6 +72,8 @@ def check(module: Any = None, budget: Any = None, device: Any = None, *, options
     from ..streaming.arena import Arena
 
     arena = (options or {}).get("arena")
+    if (options or {}).get("codec") == "lossless":
+        raise ConfigError(LOSSLESS_REFUSED)
     if isinstance(arena, Arena) and module is not None and name:
         opts = options or {}
         arena.expect(name, _fixed_bytes(module, opts.get("units", "auto"), opts.get("codec", "off"),
@@ -109,8 +115,7 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     refuse_unknown("vmm", req.options, ("arena", "units", "codec"))
     chosen = SPEC.presets[0] if req.preset == "auto" else SPEC.preset_map[req.preset]
     if coded.check_codec(codec, chosen) == "lossless":
-        raise ConfigError("codec='lossless' (the planner chooses the codec) is the linear route's; on the vmm route "
-                          "pass codec='fixed' or 'tiered'")
+        raise ConfigError(LOSSLESS_REFUSED)
     if not same_device(req.device, arena.device):
         raise ConfigError(f"the Arena is on {arena.device}; this component was asked on {req.device}: give it the "
                           "arena's device")

@@ -86,6 +86,10 @@ class StreamingEngine:
         self.reserve_bytes = reserve_bytes
         self.measured = measured
         self.variants = variants
+        # each codec's landing buffers, read from the module now: once coded, a streamed unit's
+        # parameters are one-value placeholders
+        self._codec_reserves = ({c: coded.reserve_bytes(module, c, device) for c in ("off", *coded.CODES)}
+                                if variants is not None else {})
         self.units_option = units
         self.unit_plan = plan.choose(module, budget, device, self.link_bytes_per_s, preset, units, reserve_bytes,
                                      link_bytes, compute_bytes, measured,
@@ -505,11 +509,11 @@ class StreamingEngine:
         most = max((sum(v.coded) for v in variants if v.coded), default=0)
         best: tuple[float, Any, plan.Measured] | None = None
         score = None
-        own = coded.reserve_bytes(self.module, getattr(self.store, "codec", "off"), self.device)
+        own = self._codec_reserves.get(getattr(self.store, "codec", "off"), 0)
         for v in variants:
             # another codec's landing buffers in place of this one's (the rest of the reserve stays)
-            reserve = (self.reserve_bytes - own + coded.reserve_bytes(self.module, v.codec, self.device)
-                       if v.codec is not None else None)
+            reserve = (self.reserve_bytes - own + self._codec_reserves[v.codec]
+                       if v.codec is not None and self._codec_reserves else None)
             try:
                 native = self._native_plan(self.unit_bytes, budget, v.unit_compute_s, v.link_bytes, reserve)
             except DdoError:
