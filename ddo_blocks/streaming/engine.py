@@ -648,7 +648,8 @@ class StreamingEngine:
         if better is not None:
             sections["plan"].update(measured_plan_step_s=better["predicted_step_s"], measured_plan_gain=better["gain"],
                                     measured_plan_same=better["same_plan"],
-                                    measured_plan_coded_fraction=better["coded_fraction"])
+                                    measured_plan_coded_fraction=better["coded_fraction"],
+                                    measured_plan_codec=better["codec"])
         for section, fields in self.store.report_sections(self.transport).items():
             sections.setdefault(section, {}).update(fields)
         for section, fields in (self._extra_sections() if self._extra_sections else {}).items():
