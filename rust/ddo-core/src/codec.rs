@@ -367,7 +367,9 @@ pub fn decode_blocks(
 ) -> Result<usize> {
     let lay = sections(coded, n, n_esc)?;
     let len = out.len();
-    if !first.is_multiple_of(BLOCK) || first + len > n || (first + len != n && !len.is_multiple_of(BLOCK))
+    if !first.is_multiple_of(BLOCK)
+        || first + len > n
+        || (first + len != n && !len.is_multiple_of(BLOCK))
     {
         return Err(CoreError::InvalidArgument(format!(
             "decode_blocks of values {first}..{} of {n}: not whole blocks",
@@ -388,7 +390,10 @@ pub fn decode_blocks(
     {
         let base = u16::from(*base);
         if !(1..=255 - WINDOW).contains(&base) {
-            return Err(corrupt(format!("block {} has base exponent {base}", b0 + b)));
+            return Err(corrupt(format!(
+                "block {} has base exponent {base}",
+                b0 + b
+            )));
         }
         // exponent of each 4-bit code, shifted into place: 0 zero/subnormal, 1..=14 the window,
         // ESCAPE a placeholder (0) the escape list overwrites
@@ -802,7 +807,11 @@ mod tests {
                     .iter()
                     .filter(|&&v| code_of(v, base) == u16::from(ESCAPE))
                     .count();
-                assert_eq!(block_escapes(&block, base), want, "top {top} spread {spread}");
+                assert_eq!(
+                    block_escapes(&block, base),
+                    want,
+                    "top {top} spread {spread}"
+                );
             }
         }
     }

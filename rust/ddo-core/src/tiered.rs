@@ -483,6 +483,19 @@ pub fn decode_chunk(coded: &[u8], counts: Counts, out: &mut [u16]) -> Result<()>
     apply_escapes(coded, counts, range.end_group, &range.escaped, out)
 }
 
+/// The layout of a chunk of `n` values with these counts, checked to fit in `coded`.
+fn sections(coded: &[u8], n: usize, counts: Counts) -> Result<TieredLayout> {
+    let lay = tiered_layout(n, counts);
+    if coded.len() < lay.nbytes {
+        return Err(corrupt(format!(
+            "{n} values with {counts:?} need {} bytes, got {}",
+            lay.nbytes,
+            coded.len()
+        )));
+    }
+    Ok(lay)
+}
+
 /// What [`decode_blocks`] found in its range: the tier-2 groups it read (from its first block's
 /// offset to the next range's), and its values whose tier-2 code is an escape, in order.
 #[derive(Debug, Default)]
@@ -507,16 +520,11 @@ pub fn decode_blocks(
     first: usize,
     out: &mut [u16],
 ) -> Result<BlockRange> {
-    let lay = tiered_layout(n, counts);
-    if coded.len() < lay.nbytes {
-        return Err(corrupt(format!(
-            "{n} values with {counts:?} need {} bytes, got {}",
-            lay.nbytes,
-            coded.len()
-        )));
-    }
+    let lay = sections(coded, n, counts)?;
     let len = out.len();
-    if !first.is_multiple_of(BLOCK) || first + len > n || (first + len != n && !len.is_multiple_of(BLOCK))
+    if !first.is_multiple_of(BLOCK)
+        || first + len > n
+        || (first + len != n && !len.is_multiple_of(BLOCK))
     {
         return Err(CoreError::InvalidArgument(format!(
             "decode_blocks of values {first}..{} of {n}: not whole blocks",
@@ -612,14 +620,7 @@ pub fn apply_escapes(
     out: &mut [u16],
 ) -> Result<()> {
     let n = out.len();
-    let lay = tiered_layout(n, counts);
-    if coded.len() < lay.nbytes {
-        return Err(corrupt(format!(
-            "{n} values with {counts:?} need {} bytes, got {}",
-            lay.nbytes,
-            coded.len()
-        )));
-    }
+    let lay = sections(coded, n, counts)?;
     if end_group != counts.groups || escaped.len() != counts.escapes {
         return Err(corrupt(format!(
             "{counts:?} listed, {end_group} groups and {} escapes used",

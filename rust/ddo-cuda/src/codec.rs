@@ -607,13 +607,18 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
     let bad = |e: ddo_core::CoreError| CudaError::InvalidArgument(e.to_string());
     // SAFETY (every slice below): a piece lies in the unit's buffer (checked at layout), a chunk's
     // values in its tensor, which no other piece writes; ranges of one chunk are disjoint.
-    let input = |p: &codec::Piece| unsafe { std::slice::from_raw_parts((src + p.src) as *const u8, p.len) };
+    let input =
+        |p: &codec::Piece| unsafe { std::slice::from_raw_parts((src + p.src) as *const u8, p.len) };
     let output = |tensor: usize, first: usize, values: usize| unsafe {
         std::slice::from_raw_parts_mut((tensors[tensor].0 as *mut u16).add(first), values)
     };
     enum Task<'a> {
         Raw(&'a codec::Piece, &'a [codec::Segment]),
-        Range { chunk: usize, first: usize, len: usize },
+        Range {
+            chunk: usize,
+            first: usize,
+            len: usize,
+        },
     }
     // (piece, tensor, first value, values, tiered counts) of every coded chunk
     let chunks: Vec<_> = unit
@@ -636,7 +641,11 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
         }
     }
     for (c, &(_, _, _, values, _)) in chunks.iter().enumerate() {
-        tasks.extend(codec::subs(values).map(|(first, len)| Task::Range { chunk: c, first, len }));
+        tasks.extend(codec::subs(values).map(|(first, len)| Task::Range {
+            chunk: c,
+            first,
+            len,
+        }));
     }
     // per task: the escape codes it counted (fixed-rate), or its tier-2 range (two-tier)
     let found: Vec<(usize, Option<tiered::BlockRange>, usize)> = tasks
@@ -647,7 +656,10 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
                 for s in segs {
                     // SAFETY: the segment lies in its tensor, which no other piece writes there.
                     let out = unsafe {
-                        std::slice::from_raw_parts_mut((tensors[s.tensor].0 + s.tensor_offset) as *mut u8, s.len)
+                        std::slice::from_raw_parts_mut(
+                            (tensors[s.tensor].0 + s.tensor_offset) as *mut u8,
+                            s.len,
+                        )
                     };
                     out.copy_from_slice(&inp[s.offset..s.offset + s.len]);
                 }
@@ -657,10 +669,13 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
                 let (p, tensor, first_value, values, counts) = chunks[chunk];
                 let out = output(tensor, first_value + first, len);
                 match (counts, &p.kind) {
-                    (Some(counts), _) => tiered::decode_blocks(input(p), values, counts, first, out)
-                        .map(|r| (chunk, Some(r), 0)),
+                    (Some(counts), _) => {
+                        tiered::decode_blocks(input(p), values, counts, first, out)
+                            .map(|r| (chunk, Some(r), 0))
+                    }
                     (None, PieceKind::Coded { escapes, .. }) => {
-                        codec::decode_blocks(input(p), values, *escapes, first, out).map(|e| (chunk, None, e))
+                        codec::decode_blocks(input(p), values, *escapes, first, out)
+                            .map(|e| (chunk, None, e))
                     }
                     (None, PieceKind::Raw(_)) => unreachable!("chunks holds coded pieces only"),
                 }
@@ -669,7 +684,8 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
         })
         .collect::<Result<_>>()?;
     // each chunk's ranges, in order (tasks were pushed chunk by chunk, ranges in order)
-    let mut per_chunk: Vec<Vec<(Option<tiered::BlockRange>, usize)>> = (0..chunks.len()).map(|_| Vec::new()).collect();
+    let mut per_chunk: Vec<Vec<(Option<tiered::BlockRange>, usize)>> =
+        (0..chunks.len()).map(|_| Vec::new()).collect();
     for (chunk, range, escaped) in found {
         if chunk != usize::MAX {
             per_chunk[chunk].push((range, escaped));
@@ -1110,7 +1126,10 @@ mod tests {
                     }
                 }
             }
-            assert!(failed > 0 && wrong > 0, "tiered {tiered}: {failed} errors, {wrong} other values");
+            assert!(
+                failed > 0 && wrong > 0,
+                "tiered {tiered}: {failed} errors, {wrong} other values"
+            );
             // SAFETY: as above, the intact buffer.
             unsafe { decode_unit(&unit, host.as_ptr() as usize, &outs) }.unwrap();
             assert_eq!(back, a);
