@@ -354,6 +354,21 @@ fn sections(coded: &[u8], n: usize, n_esc: usize) -> Result<ChunkLayout> {
     Ok(lay)
 }
 
+/// Checks that values `first..first + len` of a chunk of `n` are whole blocks (the last may end at
+/// `n`): what a range decode takes, in either code.
+pub(crate) fn whole_blocks(first: usize, len: usize, n: usize) -> Result<()> {
+    if !first.is_multiple_of(BLOCK)
+        || first + len > n
+        || (first + len != n && !len.is_multiple_of(BLOCK))
+    {
+        return Err(CoreError::InvalidArgument(format!(
+            "decode_blocks of values {first}..{} of {n}: not whole blocks",
+            first + len
+        )));
+    }
+    Ok(())
+}
+
 /// Decodes values `first..first + out.len()` of a chunk of `n` values with `n_esc` escapes (`first`
 /// starts a block; the range ends at a block's end or at `n`), each escaped value's exponent left 0
 /// for [`apply_escapes`]. Returns how many of its codes say [`ESCAPE`]: the ranges' sum must be
@@ -367,15 +382,7 @@ pub fn decode_blocks(
 ) -> Result<usize> {
     let lay = sections(coded, n, n_esc)?;
     let len = out.len();
-    if !first.is_multiple_of(BLOCK)
-        || first + len > n
-        || (first + len != n && !len.is_multiple_of(BLOCK))
-    {
-        return Err(CoreError::InvalidArgument(format!(
-            "decode_blocks of values {first}..{} of {n}: not whole blocks",
-            first + len
-        )));
-    }
+    whole_blocks(first, len, n)?;
     // the range's sections as slices of exactly their length, so the loop below indexes without checks
     let b0 = first / BLOCK;
     let bases = &coded[lay.bases + b0..lay.bases + b0 + len.div_ceil(BLOCK)];

@@ -522,15 +522,7 @@ pub fn decode_blocks(
 ) -> Result<BlockRange> {
     let lay = sections(coded, n, counts)?;
     let len = out.len();
-    if !first.is_multiple_of(BLOCK)
-        || first + len > n
-        || (first + len != n && !len.is_multiple_of(BLOCK))
-    {
-        return Err(CoreError::InvalidArgument(format!(
-            "decode_blocks of values {first}..{} of {n}: not whole blocks",
-            first + len
-        )));
-    }
+    crate::codec::whole_blocks(first, len, n)?;
     let nb = n.div_ceil(BLOCK);
     let b0 = first / BLOCK;
     // the sections as slices of exactly their length: the loops below index without checks
