@@ -254,6 +254,21 @@ def test_budget_below_the_largest_unit_is_a_budget_error(components):
     assert_restored(components["transformer"], snaps["transformer"])
 
 
+def test_lossless_is_checked_against_the_uncompressed_minimum(components, monkeypatch):
+    # codec="lossless" streams uncompressed where its codes' landing buffers do not fit, so a stage's
+    # budget at the plain minimum passes the check (landing buffers as a GPU's: the tiny model is fp32)
+    from ddo_blocks.streaming import coded
+
+    monkeypatch.setattr(coded, "reserve_bytes", lambda m, c, d: 0 if c == "off" or d.type != "cuda" else 1 << 20)
+    plain = ddo_blocks.minimum_budget(components["transformer"])
+    assert ddo_blocks.minimum_budget(components["transformer"], codec="lossless") > plain
+    blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="off", decode="off",
+                             denoise={"route": "linear", "vram_budget": plain, "codec": "lossless"})
+    pipe = blocks.init_pipeline()
+    pipe.update_components(**components)
+    ddo_blocks.blocks.validate(pipe)
+
+
 def test_resident_over_budget_says_use_linear(components):
     blocks = ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", text_encoder="off",
                              denoise={"route": "resident", "vram_budget": "64KiB"})

@@ -242,8 +242,10 @@ class OffloadBlock(ModularPipelineBlocks):
                     "pipeline with route='off', or use route='linear'"
                 )
             if spec.streams and policy.vram_budget not in (None, "min", "auto"):
+                codec = policy.options.get("codec", "off")
                 need = minimum_budget(module, units=policy.options.get("units", "auto"),
-                                      codec=policy.options.get("codec", "off"))
+                                      # "lossless" runs uncompressed where its codes' landing buffers do not fit
+                                      codec="off" if codec == "lossless" else codec)
                 if policy.vram_budget < need:
                     raise BudgetError(
                         f"{where}: vram_budget={fmt_bytes(policy.vram_budget)} is below the minimum of "
