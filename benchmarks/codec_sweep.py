@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                        chosen=cod.get("chosen") if cod.get("requested") else None,
                        chosen_codec=cod.get("codec") if cod.get("coded_units") else "off",
                        lossless=({k: cod.get(k) for k in ("chosen_with", "candidates_predicted_s", "replan",
-                                                          "measured_choice", "predicted_gain", "replan_s")}
+                                                          "measured_choice", "predicted_gain", "measured_candidates_s",
+                                                          "replan_s")}
                                  if cod.get("requested") else None),
                        setup_phases={k: v for k, v in (rep.get("setup") or {}).items() if k.endswith("_s")})
             if link:

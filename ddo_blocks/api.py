@@ -217,7 +217,8 @@ class OffloadHandle:
         coded_now, coded_new = any(now_coded), any(chosen.coded or ())
         same = (chosen.coded or [False] * len(now_coded)) == now_coded and (new_codec == now_codec or not coded_new)
         note.update(measured_choice=new_codec if coded_new else "off",
-                    measured_coded_fraction=better["coded_fraction"], predicted_gain=better["gain"])
+                    measured_coded_fraction=better["coded_fraction"], predicted_gain=better["gain"],
+                    measured_candidates_s=better["candidates_s"])
         if same or not coded_now and not coded_new:
             note["replan"] = "kept: the measured compute chooses the same coding"
             return

@@ -119,7 +119,11 @@ def test_the_second_call_keeps_a_choice_the_measurement_confirms(monkeypatch):
     assert 0.7 < sent < 0.8, sent
     assert torch.equal(_ref(model, x), ref)
     assert handle.engine is first
-    assert handle.report()["codec"]["replan"].startswith("kept"), handle.report()["codec"]
+    c = handle.report()["codec"]
+    assert c["replan"].startswith("kept"), c
+    # every candidate, predicted with the measured compute
+    assert set(c["measured_candidates_s"]) == {"off", *(f"{k} {q}/4" for k in coded.CODES for q in range(1, 5))}
+    assert c["measured_candidates_s"]["tiered 4/4"] <= c["measured_candidates_s"]["off"]
     handle.remove()
 
 

@@ -502,9 +502,11 @@ class StreamingEngine:
                 return v
         return None
 
-    def _best_variant(self, measured: dict[str, Any], budget: int | None) -> tuple[float, Any, plan.Measured] | None:
+    def _best_variant(self, measured: dict[str, Any], budget: int | None,
+                      predicted: dict[str, float] | None = None) -> tuple[float, Any, plan.Measured] | None:
         """The measured variant (codec variants: which units to code) the planner predicts fastest at
-        ``budget``: (predicted step, native plan, variant), or ``None`` when none fits."""
+        ``budget``: (predicted step, native plan, variant), or ``None`` when none fits. ``predicted``,
+        when given, gets each coded variant's predicted step by label (``fixed 2/4``, ``off``)."""
         variants = self._variants(measured)
         most = max((sum(v.coded) for v in variants if v.coded), default=0)
         best: tuple[float, Any, plan.Measured] | None = None
@@ -518,6 +520,10 @@ class StreamingEngine:
                 native = self._native_plan(self.unit_bytes, budget, v.unit_compute_s, v.link_bytes, reserve)
             except DdoError:
                 continue
+            if predicted is not None and v.coded is not None:
+                k = sum(v.coded)
+                predicted["off" if not k else f"{v.codec} {round(coded.QUARTERS * k / most)}/{coded.QUARTERS}"] = \
+                    native.predicted_step_s + measured["rest_s"]
             # coding must be predicted faster by a margin: never slower than not coding
             s = native.predicted_step_s * (1 + coded.LOSSLESS_MARGIN * (sum(v.coded or ()) / most if most else 0))
             if score is None or s < score - 1e-12:
@@ -533,7 +539,8 @@ class StreamingEngine:
             step_now, _ = plan.simulate(self.unit_plan, now.unit_compute_s, self.slots.n_slots,
                                         self.link_bytes_per_s, self.store.sim_args())
             current = {**current, "predicted_step_s": step_now + measured["rest_s"]}
-        best = self._best_variant(measured, self.budget)
+        candidates: dict[str, float] = {}
+        best = self._best_variant(measured, self.budget, candidates)
         if best is None:
             return None
         _, native, chosen = best
@@ -549,6 +556,7 @@ class StreamingEngine:
             "resident_units": sum(native.resident),
             "coded_fraction": (sum(chosen.coded) / len(chosen.coded)) if chosen.coded else None,
             "codec": chosen.codec,
+            "candidates_s": candidates,
             "same_plan": same,
         }
 
