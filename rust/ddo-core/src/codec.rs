@@ -357,13 +357,13 @@ fn sections(coded: &[u8], n: usize, n_esc: usize) -> Result<ChunkLayout> {
 /// Checks that values `first..first + len` of a chunk of `n` are whole blocks (the last may end at
 /// `n`): what a range decode takes, in either code.
 pub(crate) fn whole_blocks(first: usize, len: usize, n: usize) -> Result<()> {
+    let end = first.checked_add(len);
     if !first.is_multiple_of(BLOCK)
-        || first + len > n
-        || (first + len != n && !len.is_multiple_of(BLOCK))
+        || end.is_none_or(|e| e > n)
+        || (end != Some(n) && !len.is_multiple_of(BLOCK))
     {
         return Err(CoreError::InvalidArgument(format!(
-            "decode_blocks of values {first}..{} of {n}: not whole blocks",
-            first + len
+            "decode_blocks of {len} values from {first} of {n}: not whole blocks"
         )));
     }
     Ok(())

@@ -600,13 +600,24 @@ fn decode_piece(kind: &PieceKind, inp: &[u8], out: &mut [u16]) -> Result<()> {
 /// # Safety
 /// `src` is `unit.nbytes` readable host bytes, each tensor its given bytes of writable host
 /// memory, tensors disjoint from each other and from `src`, all allocated and not accessed by
-/// anyone else during the call.
+/// anyone else during the call; `unit` is as `layout_coded_unit` laid it out (no two of its pieces
+/// write the same bytes of a tensor).
 pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize)]) -> Result<()> {
     check_unit_tensors(unit, tensors)?;
     crate::host::check_host_range("coded unit buffer", src, unit.nbytes)?;
+    if unit
+        .pieces
+        .iter()
+        .any(|p| p.src.checked_add(p.len).is_none_or(|end| end > unit.nbytes))
+    {
+        return Err(CudaError::InvalidArgument(
+            "a piece runs past the coded unit".into(),
+        ));
+    }
     let bad = |e: ddo_core::CoreError| CudaError::InvalidArgument(e.to_string());
-    // SAFETY (every slice below): a piece lies in the unit's buffer (checked at layout), a chunk's
-    // values in its tensor, which no other piece writes; ranges of one chunk are disjoint.
+    // SAFETY (every slice below): a piece lies in the unit's buffer (checked above), a chunk's values
+    // in its tensor (check_unit_tensors); pieces of one tensor do not overlap as `layout_coded_unit`
+    // lays them out (the unit this module's callers pass), and ranges of one chunk are disjoint.
     let input =
         |p: &codec::Piece| unsafe { std::slice::from_raw_parts((src + p.src) as *const u8, p.len) };
     let output = |tensor: usize, first: usize, values: usize| unsafe {
