@@ -185,3 +185,23 @@ def test_with_graph_lossless_codes_nothing_and_says_why():
     c = handle.report()["codec"]
     assert c["chosen"] == "off" and c["chosen_with"].startswith("graph=True")
     handle.remove()
+
+
+def test_a_code_whose_kernel_fails_its_check_is_left_out(monkeypatch):
+    # lossless then chooses among the other codes and says why; nothing else runs on the GPU here
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.05")
+    monkeypatch.setattr(coded, "LEFT_OUT", {})
+
+    def rate(device, codec):
+        if codec == "tiered":
+            raise ddo_blocks.DdoError("codec='tiered': the GPU decode kernel gave 3 values different")
+        return 1e15
+
+    monkeypatch.setattr(coded, "decode_rate", rate)
+    cuda = torch.device("cuda")
+    assert coded.planning_rate(cuda, "tiered") is None and coded.planning_rate(cuda, "fixed") == 1e15
+    model = bf16_flux()
+    preset = routes.get("linear").preset_map["one_shot_fast"]
+    choice = coded.choose_lossless(model, preset, ddo_blocks.minimum_budget(model, codec="lossless"), cuda, "auto")
+    assert choice.codec == "fixed" and "3 values different" in choice.left_out["tiered"]
+    assert not any(k.startswith("tiered") for k in choice.predicted_s)

@@ -123,6 +123,7 @@ def _lossless(req: EngineRequest, chosen: Any, units: str, graph: bool) -> Engin
     from ..streaming import StreamingEngine, coded, stores
 
     measured = req.measured
+    left_out: dict[str, str] = {}
     if measured is not None:
         # the measured mask says which units; no codec: no decode rate to weigh (the CPU engine), none
         codec, quarters = measured.codec or "off", coded.QUARTERS
@@ -132,10 +133,10 @@ def _lossless(req: EngineRequest, chosen: Any, units: str, graph: bool) -> Engin
         how = "graph=True: a CUDA graph cannot replay the decode stream yet"
     else:
         choice = coded.choose_lossless(req.module, chosen, req.budget, req.device, units)
-        codec, quarters, predicted = choice.codec, choice.quarters, choice.predicted_s
+        codec, quarters, predicted, left_out = choice
         how = "the planner's prior" if req.budget is not None else "no budget: nothing streams"
     section = {"requested": "lossless", "chosen": codec, "chosen_with": how,
-               "candidates_predicted_s": predicted}
+               "candidates_predicted_s": predicted, "left_out": left_out}
     common = dict(measured=measured, loader=req.loader, units=units, graph=graph,
                   extra_sections=lambda: {"codec": dict(section)},
                   variants=lambda e, compute: coded.measured_variants(e, compute, coded.CODES, with_off=True))

@@ -27,6 +27,7 @@ escapes, the landing buffers, and on a GPU the decode rate measured at attach.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,8 @@ from ..units import flat_span, span_elements, span_nbytes, split_units
 from .plan import unit_sizes as plan_unit_sizes
 from .slabs import _alloc, _progress
 from .stores import InMemoryStore, _placeholder
+
+log = logging.getLogger("ddo_blocks")
 
 CODECS = ("off", "fixed", "tiered", "lossless")
 """``off``: units cross the link as they are. ``fixed``: bf16 weights at 12 bits per value (0.751 of
@@ -222,8 +225,22 @@ def _per_tensor(counts: list[Any], coded: list[bool]) -> list[Any]:
 def planning_rate(device: torch.device, codec: str) -> float | None:
     """The decode rate the planner weighs ``codec`` with on ``device`` (:func:`decode_rate`), or
     ``None`` where the decode does not share the device's SMs with the model (the CPU engine decodes
-    on the host in place of its copy): there the planner sees no cost and no gain to weigh."""
-    return decode_rate(device, codec) if device.type == "cuda" and codec in CODES else None
+    on the host in place of its copy): there the planner sees no cost and no gain to weigh. A code
+    whose kernel failed its check on this device is left out (``None``, logged, and named by
+    :data:`LEFT_OUT`): ``lossless`` then chooses among the others."""
+    if device.type != "cuda" or codec not in CODES:
+        return None
+    try:
+        return decode_rate(device, codec)
+    except DdoError as exc:
+        if (str(device), codec) not in LEFT_OUT:
+            log.warning("ddo_blocks: codec %r left out on %s: %s", codec, device, exc)
+        LEFT_OUT[(str(device), codec)] = str(exc)
+        return None
+
+
+LEFT_OUT: dict[tuple[str, str], str] = {}
+"""(device, code) -> why ``lossless`` leaves that code out there (its kernel failed its check)."""
 
 
 class Choice(NamedTuple):
@@ -233,6 +250,8 @@ class Choice(NamedTuple):
     codec: str
     quarters: int
     predicted_s: dict[str, float]
+    left_out: dict[str, str] = {}
+    """Codes left out on this device and why (their kernels failed their checks)."""
 
 
 def _label(codec: str, quarters: int) -> str:
@@ -251,7 +270,7 @@ def choose_lossless(module: nn.Module, preset: Preset, budget: int | None, devic
     from . import bandwidth, plan
 
     if budget is None:
-        return Choice("off", 0, {})
+        return Choice("off", 0, {}, {})
     link = bandwidth.link_bytes_per_s(device)
     compute_rate = bandwidth.compute_bytes_per_s(device, link)
     found: dict[tuple[str, int], float] = {}
@@ -278,7 +297,8 @@ def choose_lossless(module: nn.Module, preset: Preset, budget: int | None, devic
     if not found:  # nothing fits: plan "off" again for its error
         plan.choose(module, budget, device, link, preset, units)
     best = min(found, key=lambda k: found[k] * (1 + LOSSLESS_MARGIN * k[1] / QUARTERS))
-    return Choice(best[0], best[1], {_label(*k): v for k, v in found.items()})
+    return Choice(best[0], best[1], {_label(*k): v for k, v in found.items()},
+                  {c: why for (d, c), why in LEFT_OUT.items() if d == str(device)})
 
 
 def measured_variants(engine: Any, unit_compute_s: list[float], codecs: tuple[str, ...], *,
