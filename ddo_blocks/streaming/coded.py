@@ -228,7 +228,7 @@ def planning_rate(device: torch.device, codec: str) -> float | None:
     on the host in place of its copy): there the planner sees no cost and no gain to weigh. A code
     whose kernel failed its check on this device is left out (``None``, logged, and named by
     :data:`LEFT_OUT`): ``lossless`` then chooses among the others."""
-    if device.type != "cuda" or codec not in CODES:
+    if device.type != "cuda" or codec not in CODES or (str(device), codec) in LEFT_OUT:
         return None
     try:
         return decode_rate(device, codec)
