@@ -212,14 +212,13 @@ class OffloadHandle:
             return
         chosen = better["measured"]
         now_codec = getattr(engine.store, "codec", "off")
-        now_coded = getattr(engine.store, "coded_mask", lambda: [False] * len(engine.units))()
+        now_coded = engine.coded_now()
         new_codec = chosen.codec or now_codec
         coded_now, coded_new = any(now_coded), any(chosen.coded or ())
-        same = (chosen.coded or [False] * len(now_coded)) == now_coded and (new_codec == now_codec or not coded_new)
         note.update(measured_choice=new_codec if coded_new else "off",
                     measured_coded_fraction=better["coded_fraction"], predicted_gain=better["gain"],
                     measured_candidates_s=better["candidates_s"])
-        if same or not coded_now and not coded_new:
+        if engine.same_coding(chosen) or not coded_now and not coded_new:
             note["replan"] = "kept: the measured compute chooses the same coding"
             return
         # coding more must pay for the re-build; coding less (decode the model's SMs do not need) must

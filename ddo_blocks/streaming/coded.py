@@ -93,8 +93,8 @@ ESCAPE_ALLOWANCE = 32
 escapes than fit is sent raw."""
 
 _DECODE_RATE: dict[tuple[str, str], float | None] = {}
-"""Measured decode rate (bytes of bf16 written per second) per device and codec, once per process
-(:func:`decode_rate`)."""
+"""Measured decode rate (bytes of bf16 written per second) per CUDA device and codec, once per
+process (:func:`decode_rate`)."""
 
 
 def check_codec(codec: str, preset: Preset) -> str:
@@ -216,6 +216,14 @@ def reserve_bytes(module: nn.Module, codec: str, device: torch.device) -> int:
     return landing_count(module, codec) * landing_bytes(module, codec)
 
 
+def _count(codec: str, coded: list[tuple[int, int]]) -> tuple[list[Any], list[Any] | None]:
+    """The counts a coded layout needs for these ``(address, values)`` bf16 tensors: escapes, and
+    tier-2 groups for the two-tier code (``None`` for the fixed-rate one)."""
+    if codec == "tiered":
+        return _native.codec_count_tiered(coded)
+    return _native.codec_count_escapes(coded), None
+
+
 def _per_tensor(counts: list[Any], coded: list[bool]) -> list[Any]:
     """Counts given for the coded tensors only, spread over all of them (``[]`` for the others)."""
     it = iter(counts)
@@ -254,8 +262,9 @@ class Choice(NamedTuple):
     """Codes left out on this device and why (their kernels failed their checks)."""
 
 
-def _label(codec: str, quarters: int) -> str:
-    return "off" if codec == "off" else f"{codec} {quarters}/{QUARTERS}"
+def label(codec: str, quarters: int) -> str:
+    """A coding's name in the report: ``off``, or ``fixed 2/4`` (the code and the quarters it codes)."""
+    return "off" if codec == "off" or not quarters else f"{codec} {quarters}/{QUARTERS}"
 
 
 def choose_lossless(module: nn.Module, preset: Preset, budget: int | None, device: torch.device,
@@ -297,7 +306,7 @@ def choose_lossless(module: nn.Module, preset: Preset, budget: int | None, devic
     if not found:  # nothing fits: plan "off" again for its error
         plan.choose(module, budget, device, link, preset, units)
     best = min(found, key=lambda k: found[k] * (1 + LOSSLESS_MARGIN * k[1] / QUARTERS))
-    return Choice(best[0], best[1], {_label(*k): v for k, v in found.items()},
+    return Choice(best[0], best[1], {label(*k): v for k, v in found.items()},
                   {c: why for (d, c), why in LEFT_OUT.items() if d == str(device)})
 
 
@@ -441,10 +450,7 @@ class CodedSlabs(InMemoryStore):
                     code = mask[unit.index]
                     bf16 = [code and t.numel() >= MIN_CODED_VALUES and t.dtype == torch.bfloat16 for t in srcs]
                     coded = [(t.data_ptr(), t.numel()) for t, b in zip(srcs, bf16) if b]
-                    if self.codec == "tiered":
-                        esc_counts, group_counts = _native.codec_count_tiered(coded)
-                    else:
-                        esc_counts, group_counts = _native.codec_count_escapes(coded), None
+                    esc_counts, group_counts = _count(self.codec, coded)
 
                     specs = [(off, span_nbytes(t), b) for t, off, b in zip(srcs, e.offsets[u], bf16)]
                     layout = _native.layout_coded_unit(
@@ -606,11 +612,7 @@ def _synthetic_chunk(codec: str) -> tuple[torch.Tensor, Any]:
     escapes, groups))``, the buffer holding the unit the chunk is in."""
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(SYNTHETIC_VALUES, generator=g) * 0.02).to(torch.bfloat16)
-    coded = [(t.data_ptr(), t.numel())]
-    if codec == "tiered":
-        escapes, groups = _native.codec_count_tiered(coded)
-    else:
-        escapes, groups = _native.codec_count_escapes(coded), None
+    escapes, groups = _count(codec, [(t.data_ptr(), t.numel())])
     layout = _native.layout_coded_unit([(0, 2 * t.numel(), True)], escapes, 1 << 62, groups)
     _, buf = _alloc(layout.nbytes)
     _native.codec_encode_unit(layout, [(t.data_ptr(), 2 * t.numel())], buf.data_ptr())
@@ -619,28 +621,16 @@ def _synthetic_chunk(codec: str) -> tuple[torch.Tensor, Any]:
 
 
 def decode_rate(device: torch.device, codec: str) -> float | None:
-    """Bytes of bf16 the codec's decoder writes per second on ``device``, once per process, device and
-    codec, timed on a synthetic chunk (:func:`_synthetic_chunk`): on a GPU the kernel (its output
-    checked bit for bit against the reference decoder's first, a difference is a :class:`DdoError`),
-    on the CPU the reference decoder. What the planner weighs a coded unit's decode with (it shares the
-    SMs with the model). ``None`` for ``off``."""
+    """Bytes of bf16 the codec's GPU kernel writes per second on the CUDA ``device``, once per process,
+    device and codec, timed on a synthetic chunk (:func:`_synthetic_chunk`) after its output was
+    checked bit for bit against the reference decoder's (a difference is a :class:`DdoError`). What
+    the planner weighs a coded unit's decode with (it shares the SMs with the model). ``None`` for
+    ``off``."""
     if codec not in CODES:
         return None
     key = (str(device), codec)
     if key not in _DECODE_RATE:
-        buf, piece = _synthetic_chunk(codec)
-        if device.type == "cuda":
-            _DECODE_RATE[key] = _check_chunk(device, codec, buf, piece, timed=True)
-        else:
-            src, length, values, escapes, groups = piece
-            out = torch.empty(values, dtype=torch.bfloat16)
-            run = lambda: _native.codec_decode_host(buf.data_ptr() + src, length, out.data_ptr(),  # noqa: E731
-                                                    values, escapes, groups)
-            run()
-            t0 = time.perf_counter()
-            run()
-            seconds = time.perf_counter() - t0
-            _DECODE_RATE[key] = 2 * values / seconds if seconds > 0 else None
+        _DECODE_RATE[key] = _check_chunk(device, codec, *_synthetic_chunk(codec), timed=True)
     return _DECODE_RATE[key]
 
 

@@ -493,14 +493,19 @@ class StreamingEngine:
         plain = plan.Measured(self.granularity, measured["unit_compute_s"], self.unit_plan.link_bytes)
         return (self.variants(self, measured["unit_compute_s"]) if self.variants is not None else None) or [plain]
 
+    def coded_now(self) -> list[bool]:
+        """Per unit of the plan: whether the store codes it when it streams (none without a codec)."""
+        return getattr(self.store, "coded_mask", lambda: [False] * len(self.units))()
+
+    def same_coding(self, v: plan.Measured) -> bool:
+        """Whether the variant codes as this engine does (the same units, with the same codec)."""
+        now = self.coded_now()
+        return v.coded is not None and v.coded == now and (
+            v.codec in (None, getattr(self.store, "codec", "off")) or not any(now))
+
     def _current_variant(self, variants: list[plan.Measured]) -> plan.Measured | None:
-        """The variant that codes as this engine does (same codec, same units), if any."""
-        now_coded = getattr(self.store, "coded_mask", lambda: [False] * len(self.units))()
-        now_codec = getattr(self.store, "codec", "off")
-        for v in variants:
-            if v.coded is not None and v.coded == now_coded and (v.codec in (None, now_codec) or not any(now_coded)):
-                return v
-        return None
+        """The variant that codes as this engine does, if any."""
+        return next((v for v in variants if self.same_coding(v)), None)
 
     def _best_variant(self, measured: dict[str, Any], budget: int | None,
                       predicted: dict[str, float] | None = None) -> tuple[float, Any, plan.Measured] | None:
@@ -521,9 +526,8 @@ class StreamingEngine:
             except DdoError:
                 continue
             if predicted is not None and v.coded is not None:
-                k = sum(v.coded)
-                predicted["off" if not k else f"{v.codec} {round(coded.QUARTERS * k / most)}/{coded.QUARTERS}"] = \
-                    native.predicted_step_s + measured["rest_s"]
+                quarters = round(coded.QUARTERS * sum(v.coded) / most) if most else 0
+                predicted[coded.label(v.codec or "off", quarters)] = native.predicted_step_s + measured["rest_s"]
             # coding must be predicted faster by a margin: never slower than not coding
             s = native.predicted_step_s * (1 + coded.LOSSLESS_MARGIN * (sum(v.coded or ()) / most if most else 0))
             if score is None or s < score - 1e-12:
@@ -546,7 +550,7 @@ class StreamingEngine:
         _, native, chosen = best
         step = native.predicted_step_s + measured["rest_s"]
         same = (list(native.resident) == list(self.plan.resident) and native.slots == self.plan.slots
-                and (chosen.coded is None or self._current_variant([chosen]) is not None))
+                and (chosen.coded is None or self.same_coding(chosen)))
         return {
             "measured": chosen,
             "predicted_step_s": step,

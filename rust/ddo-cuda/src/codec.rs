@@ -265,6 +265,20 @@ fn check_values(what: &str, ptr: usize, values: usize) -> Result<()> {
     Ok(())
 }
 
+/// Every piece of `unit` lies inside its host buffer of `unit.nbytes` bytes.
+pub(crate) fn check_pieces(unit: &CodedUnit) -> Result<()> {
+    if unit
+        .pieces
+        .iter()
+        .any(|p| p.src.checked_add(p.len).is_none_or(|end| end > unit.nbytes))
+    {
+        return Err(CudaError::InvalidArgument(
+            "a piece runs past its coded unit".into(),
+        ));
+    }
+    Ok(())
+}
+
 fn check_unit_tensors(unit: &CodedUnit, tensors: &[(usize, usize)]) -> Result<()> {
     for p in &unit.pieces {
         let (t, end) = match &p.kind {
@@ -318,11 +332,7 @@ fn missing(t: usize) -> CudaError {
 pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usize) -> Result<()> {
     check_unit_tensors(unit, tensors)?;
     crate::host::check_host_range("coded unit buffer", dst, unit.nbytes)?;
-    if unit.pieces.iter().any(|p| p.src + p.len > unit.nbytes) {
-        return Err(CudaError::InvalidArgument(
-            "a piece runs past the coded unit".into(),
-        ));
-    }
+    check_pieces(unit)?;
     // tasks: every raw piece, the padding of every coded chunk, every range of every coded chunk
     enum Task<'a> {
         Raw(&'a codec::Piece, &'a [codec::Segment]),
@@ -605,15 +615,7 @@ fn decode_piece(kind: &PieceKind, inp: &[u8], out: &mut [u16]) -> Result<()> {
 pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize)]) -> Result<()> {
     check_unit_tensors(unit, tensors)?;
     crate::host::check_host_range("coded unit buffer", src, unit.nbytes)?;
-    if unit
-        .pieces
-        .iter()
-        .any(|p| p.src.checked_add(p.len).is_none_or(|end| end > unit.nbytes))
-    {
-        return Err(CudaError::InvalidArgument(
-            "a piece runs past the coded unit".into(),
-        ));
-    }
+    check_pieces(unit)?;
     let bad = |e: ddo_core::CoreError| CudaError::InvalidArgument(e.to_string());
     // SAFETY (every slice below): a piece lies in the unit's buffer (checked above), a chunk's values
     // in its tensor (check_unit_tensors); pieces of one tensor do not overlap as `layout_coded_unit`

@@ -312,15 +312,7 @@ impl Transport {
         host: usize,
     ) -> Result<usize> {
         crate::host::check_host_range("coded unit", host, unit.nbytes)?;
-        if unit
-            .pieces
-            .iter()
-            .any(|p| p.src.checked_add(p.len).is_none_or(|e| e > unit.nbytes))
-        {
-            return Err(CudaError::InvalidArgument(
-                "a piece runs past its coded unit".into(),
-            ));
-        }
+        crate::codec::check_pieces(&unit)?;
         if let Target::Cuda { .. } = self.target {
             let need = unit.largest_coded();
             let have = self.decoder.as_ref().map_or(0, |r| r.landing_bytes());
