@@ -148,6 +148,10 @@ class Transport:
     def coded_link_bytes(self, unit: int) -> int:
         """Bytes one fetch of the coded unit sends (on the GPU its batches of chunks, ddo_core::landing)."""
     def fetch_coded(self, slot: int, dst: int, unit: int) -> None: ...
+    def add_staged_unit(self, unit: CodedUnit) -> int:
+        """A coded unit read from a file (the NVMe route's side file): its layout, for fetch_file_coded."""
+    def fetch_file_coded(self, slot: int, dst: int, file_unit: int, coded: int, staged: int) -> None:
+        """file_unit's bytes (the coded unit's) read into staged, then decoded into the slot on the copy stream."""
 
 # the lossless 12-bit code for bf16 (ddo_core::codec)
 CODEC_CHUNK_ELEMS: int

@@ -188,7 +188,7 @@ class OffloadHandle:
     # -- codec="lossless" ------------------------------------------------------------------------------
     def _wire_lossless_if_asked(self) -> None:
         if self._rebuild is not None and self._rebuild[1].get("codec") == "lossless" and \
-                getattr(self.engine, "after_entry_call", 0) is None:
+                self._rebuild[0].codec_reserve is None and getattr(self.engine, "after_entry_call", 0) is None:
             self._wire_lossless()
 
     def _wire_lossless(self) -> None:
@@ -431,7 +431,8 @@ def offload(
         handle._auto_budget(auto, spec, route_options)
     elif hasattr(getattr(engine, "slots", None), "replan_budget") and getattr(engine, "after_entry_call", 0) is None:
         engine.after_entry_call = handle._arena_replan  # Arena("auto"): planned again once with its phase's budget
-    elif route_options.get("codec") == "lossless" and hasattr(engine, "after_entry_call"):
+    elif route_options.get("codec") == "lossless" and spec.codec_reserve is None and hasattr(engine, "after_entry_call"):
+        # the linear route's choice (the NVMe route's lossless is its smaller code: the disk is the bound)
         handle._wire_lossless()  # the measured compute weighs the codings again, once
     setattr(module, _ATTR, handle)
     if getattr(engine, "owns_placement", False):
@@ -447,8 +448,17 @@ def _auto_budget(module: nn.Module, spec: routes.RouteSpec, options: dict[str, A
     if not spec.streams:
         raise ConfigError(f"vram_budget='auto' picks the budget of a route that streams; route {spec.name!r} does "
                           "not stream: pass bytes, a size such as '6GiB', or None")
-    minimum = minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
-    return AutoBudget.at_attach(dev, minimum, type(module).__name__)
+    return AutoBudget.at_attach(dev, _route_minimum(module, spec, options, dev), type(module).__name__)
+
+
+def _route_minimum(module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any], dev: torch.device) -> int:
+    """The streaming minimum of ``spec`` with its options: the linear route's landing buffers for a codec,
+    or what the route's ``codec_reserve`` says (the NVMe route's staging buffer)."""
+    if spec.codec_reserve is None:
+        return minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
+    from .streaming import plan
+
+    return plan.minimum_budget(module, options.get("units", "auto")) + spec.codec_reserve(module, options, dev)
 
 
 def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any]) -> int | None:
@@ -460,7 +470,7 @@ def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options
         raise ConfigError(f"vram_budget='min' is the smallest plan of a route that streams; route {spec.name!r} "
                           "does not stream: pass bytes, a size such as '6GiB', or None")
     extra = spec.min_extra(module, options) if spec.min_extra is not None else 0
-    return minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off")) + extra
+    return _route_minimum(module, spec, options, torch.device("cuda")) + extra
 
 
 def _check_is_module(module: Any, what: str) -> None:

@@ -1,12 +1,24 @@
 """The NVMe route: models larger than RAM, streamed from their safetensors files. The linear route's
 scheduler and slots with a file-backed unit store and a static RAM cache
-(``streaming.stores.FileStore``); only through ``ddo_blocks.from_pretrained(..., route="nvme")``."""
+(``streaming.stores.FileStore``); only through ``ddo_blocks.from_pretrained(..., route="nvme")``.
+
+``codec="fixed"|"tiered"|"lossless"`` reads the disk units from a coded side file next to the
+checkpoint instead (``streaming.sidefile``: written at the first attach, found at the next), about
+0.69-0.75x of the bytes per call, decoded on the GPU into the slot; ``codec_dir`` puts the side file
+elsewhere (a read-only checkpoint directory)."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from ..budget import parse_bytes
 from ..errors import ConfigError
 from .spec import Engine, EngineRequest, HostMode, Preset, RouteSpec, refuse_unknown, staging_threads
+
+OPTIONS = ("ram_budget", "units", "codec", "codec_dir")
 
 PRESETS = (
     Preset(
@@ -25,11 +37,18 @@ PRESETS = (
 
 
 def factory(req: EngineRequest) -> tuple[Preset, Engine]:
-    from ..streaming import StreamingEngine, plan, stores
+    from ..streaming import StreamingEngine, coded, plan, sidefile, stores
 
     units = plan.check_granularity(req.options.pop("units", "auto"))
     ram_budget = parse_bytes(req.options.pop("ram_budget", None), what="ram_budget")
-    refuse_unknown("nvme", req.options, ("ram_budget", "units"))
+    codec = req.options.pop("codec", "off")
+    codec_dir = req.options.pop("codec_dir", None)
+    refuse_unknown("nvme", req.options, OPTIONS)
+    if not isinstance(codec, str) or codec not in ("off", *coded.CODES, "lossless"):
+        raise ConfigError(f"codec={codec!r} is not a codec of the NVMe route; use 'off', 'fixed', 'tiered' or 'lossless'")
+    if codec_dir is not None and not Path(codec_dir).is_dir():
+        raise ConfigError(f"codec_dir={codec_dir!r} is not a directory; pass an existing writable directory for the "
+                          "coded side file, or leave it out (next to the checkpoint)")
     chosen = SPEC.preset_map["nvme_baseline"] if req.preset == "auto" else SPEC.preset_map[req.preset]
     if req.loader is None:
         raise ConfigError(
@@ -38,11 +57,25 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
             "route='nvme', ram_budget=..., vram_budget=..., device=...), or use route='linear' for a module in RAM"
         )
 
+    code = sidefile.nvme_codec(codec, req.device) if codec != "off" else "off"
+    reserve = sidefile.reserve_bytes(req.module, code, req.device)
+
     def store(engine: StreamingEngine) -> stores.FileStore:
-        return stores.FileStore(engine, ram_budget=ram_budget, ram_auto=req.preset == "auto")
+        return stores.FileStore(engine, ram_budget=ram_budget, ram_auto=req.preset == "auto", codec=code,
+                                codec_dir=Path(codec_dir) if codec_dir is not None else None, staged_reserve=reserve,
+                                requested_codec=codec)
 
     return chosen, StreamingEngine(req.module, chosen, req.budget, req.device, measured=req.measured, store=store, loader=req.loader,
-                                   units=units)
+                                   units=units, reserve_bytes=reserve)
+
+
+def codec_reserve(module: Any, options: dict[str, Any], device: torch.device) -> int:
+    """Device bytes beside the slots for ``vram_budget="min"`` and ``"auto"``: the coded reads' staging
+    buffer."""
+    from ..streaming import sidefile
+
+    codec = options.get("codec", "off")
+    return sidefile.reserve_bytes(module, sidefile.nvme_codec(codec, device), device) if codec != "off" else 0
 
 
 SPEC = RouteSpec(
@@ -50,7 +83,8 @@ SPEC = RouteSpec(
     summary="stream from the safetensors files with a static RAM cache (from_pretrained only)",
     presets=PRESETS,
     factory=factory,
-    options=("ram_budget", "units"),
+    options=OPTIONS,
+    codec_reserve=codec_reserve,
     auto_summary="nvme_baseline with ram_budget (unless given) = half the available RAM, at most the streamed bytes",
     streams=True,
     reads_files=True,

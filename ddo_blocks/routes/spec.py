@@ -172,6 +172,9 @@ class RouteSpec:
             pipeline-wide budget must count for it.
         min_extra: bytes the route needs beyond the streaming minimum (``vram_budget="min"`` adds them;
             the vmm route: its arena's rounding to whole chunks).
+        codec_reserve: device bytes the route's ``codec`` option needs beside the slots, from
+            ``(module, options, device)``, for ``vram_budget="min"`` and ``"auto"`` (default: the
+            linear route's landing buffers, ``streaming.coded.reserve_bytes``).
         needs_cuda: the route has no CPU path (``vmm``): on the CPU it refuses with
             ``CudaNotAvailableError`` and the benchmarks skip its rows.
         check: validates a module, preset, budget, device and options before anything moves (blocks
@@ -196,6 +199,7 @@ class RouteSpec:
     holds_all: bool = False
     needs_cuda: bool = False
     min_extra: Callable[[nn.Module, dict[str, Any]], int] | None = None
+    codec_reserve: Callable[[nn.Module, dict[str, Any], Any], int] | None = None
     check: Callable[..., None] | None = None
     claims: Callable[[nn.Module], bool] | None = None
     claims_auto_of: str | None = None

@@ -184,16 +184,27 @@ def _placeholder(p: torch.Tensor) -> torch.Tensor:
 
 
 class FileStore:
-    """Streamed units from a RAM cache or from their safetensors files (the NVMe route)."""
-
-    device_bytes = 0
+    """Streamed units from a RAM cache or from their safetensors files (the NVMe route), or with a
+    ``codec`` from a coded side file next to them (``streaming.sidefile``): read coded, copied into
+    one device staging buffer of the largest coded unit, decoded into the slot on the copy stream."""
 
     def graph_blocker(self) -> str | None:
         return "the NVMe route reads its units on host threads, which a CUDA graph cannot replay"
 
-    def __init__(self, engine: Any, *, ram_budget: int | None, ram_auto: bool):
+    def __init__(self, engine: Any, *, ram_budget: int | None, ram_auto: bool, codec: str = "off",
+                 codec_dir: Path | None = None, staged_reserve: int = 0, requested_codec: str | None = None):
         self.engine = engine
         e = engine
+        self.codec = codec
+        self.requested_codec = requested_codec or codec
+        self.codec_dir = codec_dir
+        self.staged_reserve = staged_reserve
+        """Device bytes planned for the staging buffer (``nvme_codec_reserve``): a unit coded larger is read as
+        stored."""
+        self.side: Any = None  # sidefile.SideFile once built
+        self._staged_unit: dict[int, int] = {}  # streamed index -> the transport's staged coded unit
+        self._side_index: dict[int, int] = {}  # streamed index -> its unit in the side file
+        self.staged: torch.Tensor | None = None
         preset: Preset = e.preset
         self.loader = e.loader
         self.slabs: SlabSet | None = None
@@ -223,6 +234,13 @@ class FileStore:
         self.disk_bytes_per_s, self.disk_probe = bandwidth.disk_bytes_per_s(
             self._largest_file(), threads=preset.staging_threads
         )
+        self.coded_ratio = 1.0
+        """Coded over stored bytes of the streamed units (estimated until the side file is written)."""
+        if codec != "off":
+            from . import coded
+
+            est = coded.coded_estimate(e.streamed, codec)
+            self.coded_ratio = sum(est) / max(1, sum(e.unit_bytes[u.index] for u in e.streamed))
         compute = bandwidth.compute_bytes_per_s(e.device, e.link_bytes_per_s)
         self.cache_plan = _native.plan_ram_cache(
             e.unit_bytes,
@@ -231,7 +249,7 @@ class FileStore:
             slots=max(1, e.plan.slots),
             ram_budget_bytes=ram_budget,
             link_bytes_per_s=e.link_bytes_per_s,
-            disk_bytes_per_s=self.disk_bytes_per_s,
+            disk_bytes_per_s=self.disk_bytes_per_s / self.coded_ratio,
         )
         cached = self.cache_plan.cached
         for u, unit in enumerate(e.streamed):
@@ -268,6 +286,20 @@ class FileStore:
     # -- attach ------------------------------------------------------------------------------------
     def build(self) -> None:
         e = self.engine
+        if self.codec != "off" and self.disk_units:
+            from . import sidefile
+
+            self.side = sidefile.prepare(self.loader.checkpoint, self.codec,
+                                         [sidefile.unit_tensors(e, u, self.loader) for u in self.disk_units],
+                                         directory=self.codec_dir)
+            coded_bytes = raw_bytes = 0
+            for k, u in enumerate(self.disk_units):
+                if self.side.layouts[k].nbytes <= self.staged_reserve or e.device.type != "cuda":
+                    self._side_index[u] = k
+                    coded_bytes += self.side.layouts[k].nbytes
+                    raw_bytes += e.unit_bytes[e.streamed[u].index]
+            if raw_bytes:
+                self.coded_ratio = coded_bytes / raw_bytes
         if self.cached_units:
             pin = e.device.type == "cuda"
             self.slabs = SlabSet(self.cached_units, pin=pin, ordinal=e.device.index or 0, keep_warm=False)
@@ -301,6 +333,19 @@ class FileStore:
                     pieces.append((file_ids[src.path], src.offset, src.nbytes, off))
                 self._file_unit[u] = transport.add_file_unit(pieces, READ_GAP_BYTES)
             self._file_ids = {p.name: i for p, i in file_ids.items()}
+            if self._side_index:
+                side = self.side
+                fid = transport.open_file(str(side.path))
+                self._file_ids[side.path.name] = fid
+                span = max(side.layouts[k].nbytes for k in self._side_index.values())
+                # one buffer for every coded read: the copy stream orders each unit's decode before
+                # the next unit's copies into it
+                self.staged = torch.empty(max(span, 1), dtype=torch.uint8, device=e.device)
+                for u, k in self._side_index.items():
+                    layout = side.layouts[k]
+                    self._file_unit[u] = transport.add_file_unit([(fid, side.offsets[k], layout.nbytes, 0)],
+                                                                 READ_GAP_BYTES)
+                    self._staged_unit[u] = transport.add_staged_unit(layout)
         except BaseException:
             transport.close()
             raise
@@ -309,7 +354,10 @@ class FileStore:
     # -- the pipeline ------------------------------------------------------------------------------
     def fetch(self, transport: Any, u: int, slot: int, dst: int) -> None:
         ci = self._cache_index.get(u)
-        if ci is None:
+        su = self._staged_unit.get(u)
+        if su is not None:
+            transport.fetch_file_coded(slot, dst, self._file_unit[u], su, self.staged.data_ptr())
+        elif ci is None:
             transport.fetch_file(slot, dst, self._file_unit[u])
         else:
             transport.fetch(slot, dst, self.slabs.unit_ptr(ci), self.slabs.unit_nbytes[ci])
@@ -327,6 +375,8 @@ class FileStore:
         self._disk_bytes0 = transport.disk_stats()[1] if transport is not None else 0
         try:
             self.loader.checkpoint.check_unchanged()  # one stat per file: a changed file stops the call
+            if self._side_index:
+                self.side.check_unchanged()
         except CheckpointError as exc:
             raise CheckpointError(
                 f"{type(self.engine.module).__name__} is offloaded with route='nvme' and reads weights from its "
@@ -374,8 +424,14 @@ class FileStore:
             raise
         return None
 
+    @property
+    def device_bytes(self) -> int:
+        """The coded reads' device staging buffer (on a GPU)."""
+        return self.staged.numel() if self.staged is not None and self.staged.device.type == "cuda" else 0
+
     def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
         self._hollow_views = {}
+        self.staged = None
         if self.slabs is not None:
             self.slabs.release(orig_device, keep_warm=False)
             self.slabs = None
@@ -391,7 +447,7 @@ class FileStore:
         if self.disk_bytes_per_s is None:
             return ()
         from_disk = self.cache_plan.from_disk if self.cache_plan else [False] * len(self.engine.units)
-        return from_disk, self.disk_bytes_per_s
+        return from_disk, self.disk_bytes_per_s / self.coded_ratio  # a coded unit reads fewer bytes
 
     # -- report ------------------------------------------------------------------------------------
     @property
@@ -400,15 +456,17 @@ class FileStore:
 
     @property
     def disk_bytes(self) -> int:
-        """Unit bytes read from disk per call (before alignment)."""
-        return sum(self.engine.unit_bytes[self.engine.streamed[u].index] for u in self.disk_units)
+        """Bytes read from disk per call (before alignment): coded where the side file holds the unit."""
+        e = self.engine
+        return sum(self.side.layouts[self._side_index[u]].nbytes if u in self._side_index
+                   else e.unit_bytes[e.streamed[u].index] for u in self.disk_units)
 
     def report_sections(self, transport: Any) -> dict[str, dict[str, Any]]:
         stats = transport.disk_stats() if transport is not None else self._final_disk_stats
         if transport is not None:
             self._direct_files = {n: bool(transport.file_is_direct(i)) for n, i in self._file_ids.items()}
         last = self.disk_call_bytes[-1] if self.disk_call_bytes else None
-        return {
+        sections = {
             "plan": {
                 "ram_budget_bytes": self.ram_budget,
                 "cached_units": len(self.cached_units),
@@ -429,5 +487,28 @@ class FileStore:
                 "disk_total_bytes": stats[1],
                 "disk_call_bytes": last,
             },
+        }
+        if self.codec != "off":
+            sections["codec"] = self._codec_section()
+        return sections
+
+    def _codec_section(self) -> dict[str, Any]:
+        e, side = self.engine, self.side
+        raw = sum(e.unit_bytes[e.streamed[u].index] for u in self._side_index)
+        coded_bytes = sum(side.layouts[k].nbytes for k in self._side_index.values()) if side else 0
+        return {
+            "requested": self.requested_codec,
+            "codec": self.codec,
+            "side_file": str(side.path) if side else None,
+            "side_file_bytes": side.nbytes if side else 0,
+            "side_file_reused": side.reused if side else None,
+            "encode_s": side.encode_s if side else 0.0,
+            "coded_units": len(self._side_index),
+            "disk_units_read_as_stored": len(self.disk_units) - len(self._side_index),
+            "raw_bytes": raw,
+            "coded_bytes": coded_bytes,
+            "ratio": coded_bytes / raw if raw else None,
+            "staging_device_bytes": self.device_bytes,
+            "staging_reserve_bytes": self.staged_reserve,
         }
 

@@ -1069,6 +1069,82 @@ impl Stage for DecodeStage {
     }
 }
 
+/// The post-copy stage of a coded unit read from a file (the NVMe route's side file): the job's
+/// copies put the unit's coded bytes, as laid out in its host buffer, at `staged` (device memory on
+/// the GPU, host memory on the CPU target); this stage then writes every piece into the slot at
+/// `out`, raw pieces copied and coded chunks decoded. On the GPU it queues all of it on the copy
+/// stream, after the copies and before arrival: the next job's copies into `staged` come after
+/// the decodes in that stream's order, so one staging buffer serves every fetch of a transport.
+/// A disk-bound route loses nothing to it: the decode of a unit takes a fraction of a millisecond
+/// beside the disk's many.
+#[derive(Debug)]
+pub(crate) struct StagedDecode {
+    pub unit: Arc<CodedUnit>,
+    pub staged: usize,
+    pub out: usize,
+    /// The device whose kernels decode (`None` on the CPU target).
+    pub ordinal: Option<usize>,
+}
+
+impl Stage for StagedDecode {
+    fn run(&self, copy_stream: Option<Stream>, _sink: &Sink) -> Result<()> {
+        let (staged, out) = (self.staged, self.out);
+        let pieces = &self.unit.pieces;
+        let (Some(stream), Some(ordinal)) = (copy_stream, self.ordinal) else {
+            if copy_stream.is_some() {
+                return Err(CudaError::InvalidArgument(
+                    "a staged coded unit on the GPU needs its device's kernels".into(),
+                ));
+            }
+            // the CPU target: every piece from the staged bytes into the slot, in parallel
+            return pieces.par_iter().try_for_each(|p| {
+                // SAFETY: `fetch_file_coded`'s contract: `staged` holds the unit's bytes (its
+                // pieces lie in them: `check_pieces` at registration) and the slot its span;
+                // pieces write disjoint ranges of the slot.
+                let inp = unsafe { std::slice::from_raw_parts((staged + p.src) as *const u8, p.len) };
+                match p.kind {
+                    PieceKind::Raw(_) => {
+                        // SAFETY: as above.
+                        let dst = unsafe { std::slice::from_raw_parts_mut((out + p.dst) as *mut u8, p.len) };
+                        dst.copy_from_slice(inp);
+                        Ok(())
+                    }
+                    PieceKind::Coded { values, .. } => {
+                        // SAFETY: as above.
+                        let dst = unsafe { std::slice::from_raw_parts_mut((out + p.dst) as *mut u16, values) };
+                        decode_piece(&p.kind, inp, dst)
+                    }
+                }
+            });
+        };
+        let fixed = decode_kernel(ordinal)?;
+        for p in pieces {
+            // SAFETY (each launch and copy): the copies before this stage on the same stream put
+            // the unit's bytes at `staged` (device memory, pieces 64-byte aligned in it); the
+            // slot at `out` holds the unit's span, free since the copy stream's wait for the
+            // slot's last consumer; pieces write disjoint ranges of it (16-byte aligned: the
+            // unit layout aligns tensors to 256 bytes and chunks to 16 MiB).
+            unsafe {
+                match p.kind {
+                    PieceKind::Raw(_) => crate::job::d2d_async(out + p.dst, staged + p.src, p.len, stream)?,
+                    PieceKind::Coded { values, escapes, .. } => match p.kind.tiered_counts() {
+                        None => launch_decode(&fixed, stream, staged + p.src, out + p.dst, values, escapes)?,
+                        Some(counts) => crate::tiered::launch_decode(
+                            &tiered_kernel(ordinal)?,
+                            stream,
+                            staged + p.src,
+                            out + p.dst,
+                            values,
+                            counts,
+                        )?,
+                    },
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1206,7 +1282,7 @@ mod tests {
         assert!(a2 == a && b2 == b && c2 == c);
         // through the transport into a slot
         let mut t = Transport::new(Target::Cpu, 1, None).unwrap();
-        let id = t.add_coded_unit(unit, host.as_ptr() as usize).unwrap();
+        let id = t.add_coded_unit(unit.clone(), host.as_ptr() as usize).unwrap();
         let mut slot = vec![0u8; 141_056 + 2 * c.len()];
         // SAFETY: the slot holds the unit's span; the host buffer is live and unmodified.
         unsafe { t.fetch_coded(0, slot.as_mut_ptr() as usize, id) }.unwrap();
@@ -1223,6 +1299,52 @@ mod tests {
         // SAFETY: refused before anything is touched: unit 5 was never registered.
         assert!(unsafe { t.fetch_coded(0, slot.as_mut_ptr() as usize, 5) }.is_err());
         t.close().unwrap();
+
+        // the same bytes in a side file, read through a staging ring and decoded from there
+        let dir = std::env::temp_dir().join(format!("ddo-staged-{}-{tiered}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("units.bin");
+        let mut file = vec![0x5au8; 4096];
+        file.extend_from_slice(&host);
+        std::fs::write(&path, &file).unwrap();
+        let staging = crate::Staging {
+            buffers: 2,
+            buffer_bytes: 3 * 4096 + 1, // smaller than the unit: several chunks
+            threads: 2,
+            pinned: false,
+            stage_host: false,
+            piece_bytes: 0,
+        };
+        let mut t = Transport::new(Target::Cpu, 2, Some(staging)).unwrap();
+        let f = t.open_file(&path, false).unwrap();
+        let piece = ddo_core::ReadPiece { file: f, offset: 4096, len: host.len() as u64, dst: 0 };
+        let fu = t.add_file_unit(&[piece], 0).unwrap();
+        let su = t.add_staged_unit(unit).unwrap();
+        let mut staged = vec![0u8; host.len()];
+        for round in 0..2 {
+            let mut slot = vec![0u8; 141_056 + 2 * c.len()];
+            // SAFETY: `staged` holds the file unit's span, the slot the unit's; both live past
+            // the drain below.
+            unsafe { t.fetch_file_coded(round, slot.as_mut_ptr() as usize, fu, su, staged.as_mut_ptr() as usize) }
+                .unwrap();
+            t.acquire(round, Stream::DEFAULT).unwrap();
+            assert_eq!(words(&slot[..2 * a.len()]), a);
+            assert_eq!(&slot[140_032..140_032 + b.len()], &b[..]);
+            assert_eq!(words(&slot[141_056..]), c);
+            t.release(round, Stream::DEFAULT).unwrap();
+        }
+        // a staging buffer or a file unit too small for the coded unit is refused before any read
+        let short = t
+            .add_file_unit(&[ddo_core::ReadPiece { file: f, offset: 4096, len: 100, dst: 0 }], 0)
+            .unwrap();
+        // SAFETY: refused before anything is touched.
+        assert!(unsafe { t.fetch_file_coded(0, slot.as_mut_ptr() as usize, short, su, staged.as_mut_ptr() as usize) }
+            .is_err());
+        // SAFETY: as above: staged unit 9 was never registered.
+        assert!(unsafe { t.fetch_file_coded(0, slot.as_mut_ptr() as usize, fu, 9, staged.as_mut_ptr() as usize) }
+            .is_err());
+        t.close().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

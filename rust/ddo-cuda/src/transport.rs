@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::codec::{DecodeRing, DecodeStage, HostCodedUnit};
+use crate::codec::{DecodeRing, DecodeStage, HostCodedUnit, StagedDecode};
 use crate::deferred::ErrorSlot;
 use crate::driver::{bind_context, ContextGuard, Stream};
 use crate::error::{CudaError, Result};
@@ -49,6 +49,8 @@ pub struct Transport {
     files: Vec<Arc<ReadFile>>,
     file_units: Vec<Arc<FileUnit>>,
     coded_units: Vec<Arc<HostCodedUnit>>,
+    /// Coded units read from files: their layouts ([`Transport::fetch_file_coded`]).
+    staged_units: Vec<Arc<ddo_core::codec::CodedUnit>>,
     decoder: Option<Arc<DecodeRing>>,
     /// Shared with the events, the ring and its threads; checked by every call that fetches or
     /// orders, returned by [`Transport::close`], passed to the process slot when dropped.
@@ -114,6 +116,7 @@ impl Transport {
             files: Vec::new(),
             file_units: Vec::new(),
             coded_units: Vec::new(),
+            staged_units: Vec::new(),
             decoder: None,
             errors,
         })
@@ -268,6 +271,88 @@ impl Transport {
         self.stats.file_fetches += 1;
         self.stats.disk_bytes = self.stats.disk_bytes.saturating_add(fu.read_bytes);
         self.pending[slot] = stager.submit(Job::new(Source::File(fu), Sink::Slot { slot, dst }))?;
+        Ok(())
+    }
+
+    /// Registers the layout of a coded unit read from a file (its bytes as [`Transport::add_coded_unit`]'s
+    /// host buffer holds them, at some offset of a side file): its pieces are checked, and on the
+    /// GPU the kernels its chunks need are compiled now, not in the first fetch. Returns its index
+    /// for [`Transport::fetch_file_coded`].
+    pub fn add_staged_unit(&mut self, unit: ddo_core::codec::CodedUnit) -> Result<usize> {
+        crate::codec::check_pieces(&unit)?;
+        if let Target::Cuda { ordinal, .. } = self.target {
+            let _ctx = self.bind()?;
+            crate::codec::decode_kernel(ordinal)?;
+            if unit.pieces.iter().any(|p| p.kind.tiered_counts().is_some()) {
+                crate::codec::tiered_kernel(ordinal)?;
+            }
+        }
+        self.staged_units.push(Arc::new(unit));
+        Ok(self.staged_units.len() - 1)
+    }
+
+    /// Starts filling `slot` (at address `dst`) with staged coded unit `coded`, whose bytes file
+    /// unit `file_unit` reads (through the staging ring) into `staged`; the copy stream then
+    /// writes the unit's pieces into the slot: raw pieces copied, chunks decoded
+    /// ([`crate::codec::StagedDecode`]). Returns without waiting.
+    ///
+    /// # Safety
+    /// `staged` is writable memory of the target (a device address on the GPU) holding the file
+    /// unit's span, which holds the coded unit's bytes; `dst` is writable memory of the target
+    /// holding the coded unit's output span. Both are allocated and used by nothing but this
+    /// transport's fetches until the copies completed ([`Transport::drain`]); every fetch into
+    /// `staged` is made through this transport (its copy stream orders them).
+    pub unsafe fn fetch_file_coded(
+        &mut self,
+        slot: usize,
+        dst: usize,
+        file_unit: usize,
+        coded: usize,
+        staged: usize,
+    ) -> Result<()> {
+        self.errors.check()?;
+        self.check_slot(slot)?;
+        let fu = self.file_units.get(file_unit).cloned().ok_or_else(|| {
+            CudaError::InvalidArgument(format!(
+                "file unit {file_unit} out of range ({} registered)",
+                self.file_units.len()
+            ))
+        })?;
+        let unit = self.staged_units.get(coded).cloned().ok_or_else(|| {
+            CudaError::InvalidArgument(format!(
+                "staged coded unit {coded} out of range ({} registered)",
+                self.staged_units.len()
+            ))
+        })?;
+        if fu.span < unit.nbytes {
+            return Err(CudaError::InvalidArgument(format!(
+                "file unit {file_unit} reads {} bytes, and staged coded unit {coded} needs {}",
+                fu.span, unit.nbytes
+            )));
+        }
+        let span = unit.pieces.iter().map(|p| p.dst + p.out_bytes()).max().unwrap_or(0);
+        crate::host::check_host_range("coded file fetch destination", dst, span)?;
+        crate::host::check_host_range("coded file staging buffer", staged, fu.span)?;
+        let ordinal = match self.target {
+            Target::Cuda { ordinal, .. } => Some(ordinal),
+            Target::Cpu => None,
+        };
+        let stager = self.stager.as_mut().ok_or_else(|| {
+            CudaError::InvalidArgument("units read from files need a staging ring".into())
+        })?;
+        self.stats.fetches += 1;
+        self.stats.bytes = self.stats.bytes.saturating_add(fu.copy_bytes);
+        self.stats.file_fetches += 1;
+        self.stats.disk_bytes = self.stats.disk_bytes.saturating_add(fu.read_bytes);
+        // the copies land at `staged` (the sink's address); the slot's events order the job
+        let mut job = Job::new(Source::File(fu), Sink::Slot { slot, dst: staged });
+        job.post_copy = Some(Arc::new(StagedDecode {
+            unit,
+            staged,
+            out: dst,
+            ordinal,
+        }));
+        self.pending[slot] = stager.submit(job)?;
         Ok(())
     }
 

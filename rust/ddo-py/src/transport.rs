@@ -233,6 +233,32 @@ impl Transport {
             .map_err(cuda_err)
     }
 
+    /// Registers the layout of a coded unit read from a file; returns its index for
+    /// `fetch_file_coded`.
+    fn add_staged_unit(&mut self, unit: &crate::codec::CodedUnit) -> PyResult<usize> {
+        self.get()?.add_staged_unit(unit.inner.clone()).map_err(cuda_err)
+    }
+
+    /// Starts filling `slot` at `dst` with staged coded unit `coded`, read by file unit
+    /// `file_unit` into `staged` and decoded from there on the copy stream.
+    fn fetch_file_coded(
+        &mut self,
+        py: Python<'_>,
+        slot: usize,
+        dst: usize,
+        file_unit: usize,
+        coded: usize,
+        staged: usize,
+    ) -> PyResult<()> {
+        let t = self.get()?;
+        // SAFETY: `dst` is a slot tensor's data pointer sized for the largest unit; `staged` the
+        // data pointer of the staging tensor streaming/stores.py allocated for the largest coded
+        // unit on the transport's device and uses for nothing else; both kept alive until the
+        // transport is drained or closed.
+        py.detach(|| unsafe { t.fetch_file_coded(slot, dst, file_unit, coded, staged) })
+            .map_err(cuda_err)
+    }
+
     /// Gives the transport its decode ring for coded units: `landing` device addresses of
     /// `landing_bytes` each, decodes queued on `decode_stream` (a `cuda_stream` handle).
     fn set_decoder(
