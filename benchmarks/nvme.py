@@ -5,7 +5,10 @@ process with the page cache dropped before it.
     python -m benchmarks.nvme --device cuda --out-root "$OUT"                    # 22 GiB, GPU machine
     python -m benchmarks.nvme --device cpu --tiny --out /tmp/nvme                 # seconds, any machine
 
-Rows: ``ours`` for every (vram_budget, ram_budget) pair of ``--vram-budgets`` x ``--ram-budgets``;
+Rows: ``ours`` for every (vram_budget, ram_budget, codec) of ``--vram-budgets`` x ``--ram-budgets`` x
+``--codecs`` (``off``, or a code: the disk units read from a coded side file next to the checkpoint,
+written by the first row of that code, whose setup includes the coding; the side file is dropped
+from the page cache before the timed calls too);
 ``diffusers`` (``enable_group_offload(block_level, use_stream, offload_to_disk_path=...)`` on the
 model loaded by diffusers' own ``from_pretrained``) unless ``--no-diffusers``. Each row reports the
 step (median of ``--repeats`` after a warm-up), the roofline ``max(compute, disk bytes / disk
@@ -18,6 +21,7 @@ The model is saved once by :mod:`benchmarks.loading`'s save phase (``--dir``; re
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -49,8 +53,9 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     handle = ddo_blocks.from_pretrained(FluxTransformer2DModel, args.dir, route="nvme", preset="nvme_baseline",
                                         vram_budget=args.vram, ram_budget=args.ram, device=args.device,
-                                        component="transformer", progress=False)
+                                        component="transformer", progress=False, codec=args.codec)
     setup_s = time.perf_counter() - t0
+    _drop_cache(Path(args.dir), "*.ddo-*.units")  # a side file just written must be read from the disk too
     _join_cgroup(args.cgroup, Path(args.dir))
     saved = torch.load(Path(args.dir) / "reference.pt")
     x = {k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in saved["inputs"].items()}
@@ -77,7 +82,9 @@ def row_ours(args: argparse.Namespace) -> dict[str, Any]:
         "exact": bool(torch.equal(timing.output[0].cpu(), saved["ref"])),
         "block_device": dev,
         **disk,
-        "report": {k: rep.get(k) for k in ("plan", "setup", "runtime", "roofline", "memory")},
+        "codec": args.codec,
+        "disk_call_bytes": rep["runtime"].get("disk_call_bytes"),
+        "report": {k: rep.get(k) for k in ("plan", "setup", "runtime", "roofline", "memory", "codec")},
     }
     if not args.cgroup:
         # remove() reads the disk units back into ordinary memory (its contract): the whole model, which
@@ -261,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram-budgets", default="0,8,16", help="GiB, or fractions of the weights")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-diffusers", action="store_true")
+    p.add_argument("--codecs", default="off", help="comma-separated: off, fixed, tiered, lossless (rows of each)")
+    p.add_argument("--codec", default="off", help=argparse.SUPPRESS)
     p.add_argument("--disk-probe-gib", type=float, default=4.0, help="GiB of the largest file read by the 1- and 8-reader probes")
     p.add_argument("--page-cache-limit", type=float, default=None, metavar="GIB",
                    help="run each row's timed calls in a memory cgroup of this size (root), so that no route "
@@ -298,17 +307,20 @@ def _rows_and_report(args: argparse.Namespace, argv: list[str], directory: Path,
     disk = _run_row("disk", base, ["--disk-probe-gib", str(args.disk_probe_gib)])
     print(f"disk before the rows: {json.dumps(disk)}", flush=True)
     rows = []
-    for vram in args.vram_budgets.split(","):
-        for ram in args.ram_budgets.split(","):
-            _drop_cache(directory)
-            r = _run_row("ours", base, ["--vram", str(parse_size(vram, total)), "--ram", str(parse_size(ram, total))],
-                         limit)
-            rows.append({"route": "ddo_blocks nvme_baseline", "vram_budget": vram, "ram_budget": ram, **r})
-            print(f"ours vram {vram} ram {ram}: step {_fmt(r.get('step_s'))} s, ratio {_fmt(r.get('ratio'), 2)} "
-                  f"disk busy {_fmt(r.get('disk_busy'), 2)}, "
-                  f"RSS +{_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} GiB, exact {r.get('exact')}"
-                  + (f", cgroup {r['cgroup']}" if "cgroup" in r else "")
-                  + (f" ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
+    for vram, ram, codec in itertools.product(args.vram_budgets.split(","), args.ram_budgets.split(","),
+                                              args.codecs.split(",")):
+        _drop_cache(directory)
+        r = _run_row("ours", base, ["--vram", str(parse_size(vram, total)), "--ram", str(parse_size(ram, total)),
+                                    "--codec", codec], limit)
+        name = "ddo_blocks nvme_baseline" + (f" codec={codec}" if codec != "off" else "")
+        rows.append({"route": name, "vram_budget": vram, "ram_budget": ram, **r})
+        print(f"ours vram {vram} ram {ram} codec {codec}: step {_fmt(r.get('step_s'))} s, "
+              f"ratio {_fmt(r.get('ratio'), 2)}, disk bytes/call {r.get('disk_call_bytes')}, "
+              f"setup {_fmt(r.get('setup_s'), 1)} s, "
+              f"disk busy {_fmt(r.get('disk_busy'), 2)}, "
+              f"RSS +{_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} GiB, exact {r.get('exact')}"
+              + (f", cgroup {r['cgroup']}" if "cgroup" in r else "")
+              + (f" ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
     disk_after = _run_row("disk", base, ["--disk-probe-gib", str(args.disk_probe_gib)])
     print(f"disk after the rows: {json.dumps(disk_after)}", flush=True)
     figures = [d["gb_s_model"] for d in (disk, disk_after) if "gb_s_model" in d]
@@ -345,15 +357,16 @@ def _rows_and_report(args: argparse.Namespace, argv: list[str], directory: Path,
            "served from RAM it was not given.", ""]
           if args.page_cache_limit else []),
         "| route | VRAM budget | RAM budget | step s | bound s | step / bound | bench bound s | step / bench bound "
-        "| disk GB/s | disk busy | RSS above start GiB | peak GPU GiB | setup s | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| disk GB/s | disk GB per call | disk busy | RSS above start GiB | peak GPU GiB | setup s | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gpu = r.get("gpu_peak_allocated")
         lines.append(
             f"| {r['route']} | {r['vram_budget']} | {r['ram_budget']} | {_fmt(r.get('step_s'))} | {_fmt(r.get('bound_s'))} "
             f"| {_fmt(r.get('ratio'), 2)} | {_fmt(r.get('bench_bound_s'))} | {_fmt(r.get('bench_ratio'), 2)} "
-            f"| {_fmt(r.get('disk_gb_s'), 2)} | {_fmt(r.get('disk_busy'), 2)} "
+            f"| {_fmt(r.get('disk_gb_s'), 2)} | {_fmt((r.get('disk_call_bytes') or 0) / 1e9, 2)} "
+            f"| {_fmt(r.get('disk_busy'), 2)} "
             f"| {_fmt((r.get('peak_rss_above_before') or 0) / GiB, 2)} | {_fmt(gpu / GiB if gpu else None, 2)} "
             f"| {_fmt(r.get('setup_s'), 1)} | {r.get('exact', r.get('error', '-')[:60])} |"
         )

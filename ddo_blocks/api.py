@@ -14,7 +14,7 @@ from torch import nn
 from . import _native, env, routes
 from .autobudget import AutoBudget
 from .budget import fmt_bytes, parse_bytes
-from .errors import ConfigError, CudaNotAvailableError, DdoError, OffloadStateError
+from .errors import ConfigError, CudaNotAvailableError, OffloadStateError
 from .report import Report, build_report
 from .routes.spec import Engine, EngineRequest, Preset, UnitInfo
 from .streaming import guards

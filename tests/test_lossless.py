@@ -14,10 +14,10 @@ import ddo_blocks
 from ddo_blocks import routes
 from ddo_blocks.streaming import coded
 from ddo_blocks.streaming.arena import Arena, HostChunks
+from ddo_blocks.tiny import flux_inputs
 
 from .helpers import assert_restored, snapshot
 from .test_codec import _ref, bf16_flux
-from ddo_blocks.tiny import flux_inputs
 
 
 def _rates(monkeypatch, rates: dict[str, float | None]) -> None:

@@ -93,8 +93,15 @@ ESCAPE_ALLOWANCE = 32
 escapes than fit is sent raw."""
 
 _DECODE_RATE: dict[tuple[str, str], float | None] = {}
-"""Measured decode rate (bytes of bf16 written per second) per CUDA device and codec, once per
-process (:func:`decode_rate`)."""
+"""The decode rate the planner weighs a coded unit's decode with (bytes of bf16 written per second)
+per CUDA device and codec, once per process (:func:`decode_rate`): the slower of the kernel's rate
+alone and beside a GEMM load (:data:`DECODE_RATES`)."""
+
+DECODE_RATES: dict[tuple[str, str], dict[str, float | None]] = {}
+"""``(str(device), codec)`` -> ``{"alone": ..., "under_load": ..., "planning": ...}``, bytes of bf16
+written per second: the decode kernel timed on the idle device, its added cost beside a GEMM load
+(``None`` where that could not be measured) and the slower of the two, which :func:`decode_rate`
+returns (:func:`_decode_rates`)."""
 
 
 def check_codec(codec: str, preset: Preset) -> str:
@@ -271,10 +278,10 @@ def choose_lossless(module: nn.Module, preset: Preset, budget: int | None, devic
                     units: str) -> Choice:
     """``codec="lossless"`` at attach: the planner's predicted step for no code and for each code at
     each fraction of the units (:data:`QUARTERS`), with each unit's compute from the planner's prior
-    plus its decode (``bf16 bytes / decode rate``, measured on a synthetic chunk: decode and model share
-    the SMs) and each code's landing buffers taken from the budget; the fastest wins, a coded
-    variant only by :data:`LOSSLESS_MARGIN` (scaled by its fraction). The second call measures the
-    compute and re-plans once (``OffloadHandle``)."""
+    plus its decode (``bf16 bytes / decode rate``, measured on a synthetic chunk beside a GEMM load:
+    decode and model share the SMs, :func:`decode_rate`) and each code's landing buffers taken from
+    the budget; the fastest wins, a coded variant only by :data:`LOSSLESS_MARGIN` (scaled by its
+    fraction). The second call measures the compute and re-plans once (``OffloadHandle``)."""
     from ..errors import BudgetError
     from . import bandwidth, plan
 
@@ -596,6 +603,8 @@ class CodedSlabs(InMemoryStore):
                 "landing_buffers": self.landing_buffers if self.landing is not None else 0,
                 "landing_bytes": self.device_bytes,
                 "decode_gb_s": self.decode_bytes_per_s / 1e9 if self.decode_bytes_per_s else None,
+                **{f"decode_{k}_gb_s": (v / 1e9 if v else None)
+                   for k, v in DECODE_RATES.get((str(e.device), self.codec), {}).items() if k != "planning"},
                 "decode_s_per_call": decode_s,
                 "uncompressed_transfer_bound_s": e.streamed_bytes / link if link else None,
                 "compressed_transfer_bound_s": self.link_call_bytes / link if link else None,
@@ -621,16 +630,22 @@ def _synthetic_chunk(codec: str) -> tuple[torch.Tensor, Any]:
 
 
 def decode_rate(device: torch.device, codec: str) -> float | None:
-    """Bytes of bf16 the codec's GPU kernel writes per second on the CUDA ``device``, once per process,
-    device and codec, timed on a synthetic chunk (:func:`_synthetic_chunk`) after its output was
-    checked bit for bit against the reference decoder's (a difference is a :class:`DdoError`). What
-    the planner weighs a coded unit's decode with (it shares the SMs with the model). ``None`` for
-    ``off``."""
+    """Bytes of bf16 the codec's GPU kernel writes per second on the CUDA ``device`` as the planner
+    weighs a coded unit's decode, once per process, device and codec. Measured on a synthetic chunk
+    (:func:`_synthetic_chunk`) after its output was checked bit for bit against the reference
+    decoder's (a difference is a :class:`DdoError`): the kernel alone on the idle device, and its
+    added time beside a GEMM load with the decodes on a high-priority stream, as in a step
+    (:func:`_time_decode`); the slower of the two (both in :data:`DECODE_RATES`). Timed alone, the
+    two-tier kernel (528 GB/s on an H200) predicted a Flux-sized step at 8 GiB of 0.210 s that ran
+    0.248-0.250 s, its cost beside the model's kernels about 2.3 times the isolated one, while
+    ``fixed`` was predicted to within 1%. ``None`` for ``off``."""
     if codec not in CODES:
         return None
     key = (str(device), codec)
     if key not in _DECODE_RATE:
-        _DECODE_RATE[key] = _check_chunk(device, codec, *_synthetic_chunk(codec), timed=True)
+        rates = _check_chunk(device, codec, *_synthetic_chunk(codec), timed=True)
+        DECODE_RATES[key] = rates or {"alone": None, "under_load": None, "planning": None}
+        _DECODE_RATE[key] = DECODE_RATES[key]["planning"]
     return _DECODE_RATE[key]
 
 
@@ -658,18 +673,20 @@ _CHECKED: set[tuple[str, str]] = set()
 """(device, codec) whose kernel was checked against the reference decoder on real weights."""
 
 
-def _check_chunk(device: torch.device, codec: str, buf: torch.Tensor, piece: tuple, *, timed: bool) -> float | None:
+def _check_chunk(device: torch.device, codec: str, buf: torch.Tensor, piece: tuple, *,
+                 timed: bool) -> dict[str, float | None] | None:
     """Decodes one coded chunk (``piece`` of the host ``buf``) on the GPU, compares it bit for bit with the
     reference decoder's output on the host (a difference is a :class:`DdoError`) and, when ``timed``,
-    returns the kernel's rate from a few more decodes timed with CUDA events."""
+    returns the kernel's rates from more decodes timed alone and beside a GEMM load
+    (:func:`_time_decode`)."""
     src, length, values, escapes, groups = piece
     ordinal = device.index or 0
     with torch.cuda.device(device):
         chunk = buf[src : src + length].to(device)
         out = torch.empty(values, dtype=torch.bfloat16, device=device)
         stream = torch.cuda.current_stream(device)
-        run = lambda: _native.codec_decode_device(ordinal, stream.cuda_stream, chunk.data_ptr(), out.data_ptr(),  # noqa: E731
-                                                  values, escapes, groups)
+        run = lambda s=stream: _native.codec_decode_device(ordinal, s.cuda_stream, chunk.data_ptr(),  # noqa: E731
+                                                           out.data_ptr(), values, escapes, groups)
         run()  # first launch: module load
         ref = torch.empty(values, dtype=torch.bfloat16)
         _native.codec_decode_host(buf.data_ptr() + src, length, ref.data_ptr(), values, escapes, groups)
@@ -682,12 +699,116 @@ def _check_chunk(device: torch.device, codec: str, buf: torch.Tensor, piece: tup
             )
         if not timed:
             return None
+        return _time_decode(device, stream, run, 2 * values)
+
+
+LOAD_SIDE = 4096
+""":func:`_time_decode`'s GEMM load: matmuls of a square matrix of this side by itself, in fp16 (the
+tensor cores run it at bf16's rate, and every CUDA device has it), 64 MiB of device memory while it
+runs."""
+
+LOAD_DECODE_S = 4e-3
+"""Decodes queued beside the load: as many as take about this long alone (at least 10)."""
+
+LOAD_TIMES = 5.0
+"""The load runs about this many times as long as its decodes alone, as a step's compute does more
+than its decodes (so that the decodes run beside matmuls, not after them)."""
+
+RATE_REPEATS = 3
+"""How many times the load alone, the load with the decodes and the decodes alone are each timed;
+the medians are kept. With a load of about ``LOAD_TIMES * LOAD_DECODE_S`` (20 ms) that is some
+0.2 s per codec at attach."""
+
+
+def _time_decode(device: torch.device, stream: torch.cuda.Stream, run: Any,
+                 nbytes: int) -> dict[str, float | None]:
+    """Times ``run(stream)`` (one decode writing ``nbytes`` of bf16) alone on the idle device and beside a
+    GEMM load (:data:`LOAD_SIDE`) on ``stream``: the load alone, then the same load with the decodes on
+    a high-priority stream of their own (as ``CodedSlabs.open_transport``'s decode stream), each batch
+    launched as a matmul ends so that it runs beside the next one, as a chunk's decode runs beside the
+    model's kernels in a step. What the decodes add to the load is their cost there: the SMs they take
+    from the load and the load's from them. :func:`_decode_rates` turns the timings into rates."""
+
+    def seconds(fn: Any) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        reps = 10
         start.record(stream)
-        for _ in range(reps):
-            run()
+        fn()
         end.record(stream)
         end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3 / reps
-    return 2 * values / seconds if seconds > 0 else None
+        return start.elapsed_time(end) / 1e3
+
+    reps = 10
+    alone = [seconds(lambda: [run() for _ in range(reps)]) / reps]
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(LOAD_SIDE, LOAD_SIDE, generator=g, device=device, dtype=torch.float16)
+        y = torch.empty_like(x)
+    except torch.cuda.OutOfMemoryError:
+        log.info("ddo_blocks: no room for the GEMM load on %s; decode rate timed alone", device)
+        return _decode_rates(nbytes, alone, [], [], 0)
+    mm = lambda: torch.matmul(x, x, out=y)  # noqa: E731
+    mm()  # cuBLAS set-up
+    per_mm = seconds(lambda: [mm() for _ in range(3)]) / 3
+    decodes = max(reps, min(4096, math.ceil(LOAD_DECODE_S / alone[0]))) if alone[0] > 0 else reps
+    matmuls = max(2, min(4096, math.ceil(LOAD_TIMES * decodes * alone[0] / per_mm))) if per_mm > 0 else 2
+    side = torch.cuda.Stream(device, priority=-1)
+    load, both = [], []
+    for _ in range(RATE_REPEATS):
+        load.append(_beside(stream, side, mm, matmuls, run, 0))
+        both.append(_beside(stream, side, mm, matmuls, run, decodes))
+        alone.append(seconds(lambda: [run() for _ in range(reps)]) / reps)
+    return _decode_rates(nbytes, alone, load, both, decodes)
+
+
+def _beside(stream: torch.cuda.Stream, side: torch.cuda.Stream, mm: Any, matmuls: int, run: Any,
+            decodes: int) -> float:
+    """Seconds from a common start until ``matmuls`` calls of ``mm`` on ``stream`` and ``decodes``
+    calls of ``run`` on ``side`` are all done, the decodes spread in batches launched as each matmul
+    but the last ends. A spin kernel first holds ``stream`` while all of it is queued, so that
+    neither stream waits on the host."""
+    start, end, side_end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    gate = getattr(torch.cuda, "_sleep", None)
+    if gate is not None:
+        gate(40_000 * (2 * matmuls + decodes))  # about 20 us a launch at 2 GHz
+    start.record(stream)
+    side.wait_event(start)
+    for n in _batches(decodes, matmuls):
+        mm()
+        if n:
+            done = torch.cuda.Event()
+            done.record(stream)
+            side.wait_event(done)
+            for _ in range(n):
+                run(side)
+    end.record(stream)
+    side_end.record(side)
+    end.synchronize()
+    side_end.synchronize()
+    return max(start.elapsed_time(end), start.elapsed_time(side_end)) / 1e3
+
+
+def _batches(decodes: int, matmuls: int) -> list[int]:
+    """How many of ``decodes`` decodes :func:`_beside` launches as each of ``matmuls`` matmuls ends: as
+    even as whole numbers allow, none after the last (there they would run after the load, not
+    beside it)."""
+    gaps = max(1, matmuls - 1)
+    return [decodes * (i + 1) // gaps - decodes * i // gaps for i in range(gaps)] + [0] * (matmuls - gaps)
+
+
+def _decode_rates(nbytes: int, alone_s: list[float], load_s: list[float], both_s: list[float],
+                  decodes: int) -> dict[str, float | None]:
+    """Rates (bytes per second) of a decode writing ``nbytes``, from repeated timings: ``alone`` from the
+    median of ``alone_s`` (seconds of one decode on the idle device); ``under_load`` from the median over
+    the repeats of ``both_s - load_s`` (what ``decodes`` decodes added to the load they ran beside),
+    ``None`` where that is not positive (noise larger than the decodes' cost) or was not measured;
+    ``planning``, the slower of the two, is what the planner weighs the decode with: an added time
+    shorter than the decodes alone (the load hid part of them) gives the rate alone."""
+    from statistics import median
+
+    alone = median(alone_s) if alone_s else 0.0
+    rate_alone = nbytes / alone if alone > 0 else None
+    pairs = [b - a for a, b in zip(load_s, both_s)]
+    added = median(pairs) / decodes if pairs and decodes > 0 else 0.0
+    rate_load = nbytes / added if added > 0 and math.isfinite(added) else None
+    known = [r for r in (rate_alone, rate_load) if r is not None]
+    return {"alone": rate_alone, "under_load": rate_load, "planning": min(known) if known else None}

@@ -135,7 +135,7 @@ def _write(data: Path, header: Path, key: dict[str, Any], codec: str,
     layouts: list[Any] = []
     total = sum(src.nbytes for unit in units for _, src, _, _ in unit)
     try:
-        f = open(tmp, "wb")
+        f = open(tmp, "wb")  # noqa: SIM115 (closed by the with below; its failure has its own message)
     except OSError as exc:
         raise ConfigError(
             f"route='nvme' with codec={codec!r} writes its coded side file next to the checkpoint, and {data.parent} "
