@@ -29,9 +29,10 @@ def ckpt(flux_checkpoints, tmp_path):
 
 
 def _load(path, model, codec, ram_budget=0, device="cpu", **kw):
+    # on a GPU the coded reads' staging buffer is taken from the budget
+    budget = kw.pop("vram_budget", budgets(model)["all_streamed"] + sidefile.reserve_bytes(model, codec, torch.device(device)))
     return ddo_blocks.from_pretrained(FluxTransformer2DModel, path, route="nvme", ram_budget=ram_budget, device=device,
-                                      vram_budget=budgets(model)["all_streamed"], progress=False, units="block",
-                                      codec=codec, **kw)
+                                      vram_budget=budget, progress=False, units="block", codec=codec, **kw)
 
 
 def _run(handle, x, ref, calls=3):
@@ -148,13 +149,13 @@ def test_bad_codec_options(ckpt, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec", ["fixed", "tiered"])
-def test_cuda_exact_from_the_side_file(ckpt, codec):
+@pytest.mark.parametrize("codec,budget", [("fixed", None), ("tiered", None), ("lossless", "min")])
+def test_cuda_exact_from_the_side_file(ckpt, codec, budget):
     """On the GPU: coded reads through the pinned ring into the device staging buffer, decoded on the
-    copy stream; exact, and the staging buffer inside the budget's reserve."""
+    copy stream; exact, and the staging buffer inside the budget's reserve (``"min"`` included)."""
     path, model, x, _ = ckpt
     ref, xc = cuda_reference(model, x)
-    handle = _load(path, model, codec, device="cuda")
+    handle = _load(path, model, codec, device="cuda", **({"vram_budget": budget} if budget else {}))
     _run(handle, xc, ref)
     sec = handle.report()["codec"]
     assert sec["coded_units"] == 5 and 0 < sec["staging_device_bytes"] <= sec["staging_reserve_bytes"]
