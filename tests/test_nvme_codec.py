@@ -162,3 +162,13 @@ def test_cuda_exact_from_the_side_file(ckpt, codec, budget):
     handle.remove()
     with torch.no_grad():
         assert torch.equal(handle.module.to("cuda")(**xc)[0], ref)
+
+
+def test_a_sharded_checkpoint_has_one_side_file_named_after_it(flux_checkpoints, tmp_path):
+    root, model, x, ref = flux_checkpoints
+    path = tmp_path / "sharded"
+    shutil.copytree(root / "sharded", path)
+    handle = _load(path, model, "tiered")
+    _run(handle, x, ref, calls=2)
+    assert handle.report()["codec"]["side_file"] == str(path / "diffusion_pytorch_model.ddo-tiered.units")
+    handle.remove()

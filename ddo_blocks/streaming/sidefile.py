@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,8 @@ def prepare(checkpoint: Any, codec: str, units: list[list[tuple[str, Any, int, t
         raise ConfigError(f"the NVMe route codes with {' or '.join(map(repr, coded.CODES))}, not {codec!r}")
     directory = Path(directory) if directory is not None else checkpoint.directory
     files = sorted({src.path for unit in units for _, src, _, _ in unit})
-    stem = files[0].name.split(".")[0] if files else "model"
+    # the checkpoint's name without a shard's "-00001-of-00003"
+    stem = re.sub(r"-\d+-of-\d+$", "", files[0].name.split(".")[0]) if files else "model"
     data, header = paths(directory, stem, codec)
     key = {
         "format": FORMAT,
