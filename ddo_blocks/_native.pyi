@@ -192,6 +192,11 @@ def layout_coded_unit(tensors: Sequence[tuple[int, int, bool]], escapes: Sequenc
     """``tensors``: ``(slot_offset, nbytes, is_bf16)``; ``escapes``: per bf16 tensor, from codec_count_escapes
     (or codec_count_tiered, whose ``groups`` select the two-tier code)."""
 def codec_encode_unit(unit: CodedUnit, tensors: Sequence[tuple[int, int]], dst: int) -> None: ...
+def codec_capacity(tensors: Sequence[tuple[int, int, bool]]) -> int:
+    """Bytes a unit of these (slot_offset, nbytes, is_bf16) tensors can take coded, whatever its counts."""
+def codec_encode_unit_fused(tensors: Sequence[tuple[int, int, bool]], sources: Sequence[tuple[int, int]], tiered: bool,
+                            max_chunk_bytes: int, dst: int, capacity: int) -> CodedUnit:
+    """Counts, lays out and codes a unit in one pass over its weights into capacity bytes at dst."""
 def codec_decode_unit(unit: CodedUnit, src: int, tensors: Sequence[tuple[int, int]]) -> None: ...
 def codec_decode_device(device: int, stream: int, chunk: int, out: int, values: int, escapes: int,
                         groups: int | None = None) -> None:

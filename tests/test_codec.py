@@ -113,7 +113,7 @@ def test_a_failed_attach_gives_back_the_units_already_coded(monkeypatch):
     x = flux_inputs(model)
     ref = _ref(model, x)
     snap = snapshot(model)
-    real = _native.codec_encode_unit
+    real = _native.codec_encode_unit_fused
     calls = []
 
     def encode_then_fail(*args):
@@ -122,7 +122,7 @@ def test_a_failed_attach_gives_back_the_units_already_coded(monkeypatch):
             raise ddo_blocks.OffloadMemoryError("refused by the test")
         return real(*args)
 
-    monkeypatch.setattr(coded._native, "codec_encode_unit", encode_then_fail)
+    monkeypatch.setattr(coded._native, "codec_encode_unit_fused", encode_then_fail)
     with pytest.raises(ddo_blocks.OffloadMemoryError, match="refused by the test"):
         ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed", units="block")
     assert ddo_blocks.get_handle(model) is None

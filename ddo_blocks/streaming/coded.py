@@ -435,7 +435,7 @@ class CodedSlabs(InMemoryStore):
     def build(self) -> None:
         e = self.engine
         t0 = time.perf_counter()
-        clock = self.phase_s = dict.fromkeys(("read", "count", "alloc", "encode", "pin_wait"), 0.0)
+        clock = self.phase_s = dict.fromkeys(("read", "alloc", "encode", "pin_wait"), 0.0)
 
         def lap(phase: str, since: float) -> float:
             now = time.perf_counter()
@@ -456,17 +456,17 @@ class CodedSlabs(InMemoryStore):
                     tick = lap("read", tick)
                     code = mask[unit.index]
                     bf16 = [code and t.numel() >= MIN_CODED_VALUES and t.dtype == torch.bfloat16 for t in srcs]
-                    coded = [(t.data_ptr(), t.numel()) for t, b in zip(srcs, bf16) if b]
-                    esc_counts, group_counts = _count(self.codec, coded)
-
                     specs = [(off, span_nbytes(t), b) for t, off, b in zip(srcs, e.offsets[u], bf16)]
-                    layout = _native.layout_coded_unit(
-                        specs, _per_tensor(esc_counts, bf16), self.landing_bytes if self.pin else 1 << 62,
-                        _per_tensor(group_counts, bf16) if group_counts is not None else None)
-                    tick = lap("count", tick)
-                    storage, buf = _alloc(layout.nbytes)
+                    # a buffer the unit fits whatever its counts: the pages past its coded size are never
+                    # touched (an mmap'd allocation), so they take no host memory
+                    capacity = _native.codec_capacity(specs)
+                    storage, buf = _alloc(capacity)
                     tick = lap("alloc", tick)
-                    _native.codec_encode_unit(layout, [(t.data_ptr(), span_nbytes(t)) for t in srcs], buf.data_ptr())
+                    # count and code each tensor while it is in cache: one pass over the weights
+                    layout = _native.codec_encode_unit_fused(
+                        specs, [(t.data_ptr(), span_nbytes(t)) for t in srcs], self.codec == "tiered",
+                        self.landing_bytes if self.pin else 1 << 62, buf.data_ptr(), capacity)
+                    buf = buf[: layout.nbytes]
                     tick = lap("encode", tick)
                     self.units.append(layout)
                     self.buffers.append((storage, buf))

@@ -602,6 +602,119 @@ fn decode_piece(kind: &PieceKind, inp: &[u8], out: &mut [u16]) -> Result<()> {
     done.map_err(|e| CudaError::InvalidArgument(e.to_string()))
 }
 
+/// Bytes a unit of these tensors can take coded, whatever its counts: every tensor raw, and the
+/// alignment of a piece per chunk and per tensor. [`encode_unit_fused`] writes into a buffer of this
+/// size (pages it never reaches are never touched).
+pub fn coded_capacity(specs: &[codec::TensorSpec]) -> Result<usize> {
+    let overflow = || CudaError::InvalidArgument("a coded unit larger than the address space".into());
+    specs.iter().try_fold(codec::PIECE_ALIGN, |acc, s| {
+        let pieces = codec::chunks(s.nbytes / 2).count() + 1;
+        pieces
+            .checked_mul(codec::PIECE_ALIGN)
+            .and_then(|pad| pad.checked_add(s.nbytes))
+            .and_then(|n| acc.checked_add(n))
+            .ok_or_else(overflow)
+    })
+}
+
+/// Counts, lays out and codes one unit in a single pass over its weights: each bf16 tensor, in slot
+/// order, is counted and its chunks coded at once, while its values are still in the CPU's cache,
+/// where [`count_escapes_many`] / [`count_tiered_many`], [`codec::layout_coded_unit`] and
+/// [`encode_unit`] read every weight twice (a host whose copies are memory-bound pays the count as a
+/// second pass). The layout is [`codec::layout_coded_unit`]'s: pieces are laid out in slot order,
+/// so the tensors laid out so far fix their pieces' places (a later raw tensor may only extend the
+/// last raw piece, and raw pieces are written at the end). Writes into `dst`, `capacity` bytes
+/// (at least what the unit takes: [`coded_capacity`] is always enough) and returns the layout.
+///
+/// # Safety
+/// Each tensor is its given bytes of readable host memory (bf16 ones 2-byte aligned), and `dst`
+/// `capacity` writable host bytes disjoint from them, all allocated and not written by anyone else
+/// during the call.
+pub unsafe fn encode_unit_fused(
+    specs: &[codec::TensorSpec],
+    tensors: &[(usize, usize)],
+    tiered_code: bool,
+    max_chunk_bytes: usize,
+    dst: usize,
+    capacity: usize,
+) -> Result<CodedUnit> {
+    if specs.len() != tensors.len() {
+        return Err(CudaError::InvalidArgument(format!(
+            "{} tensor specs but {} tensors",
+            specs.len(),
+            tensors.len()
+        )));
+    }
+    if let Some(t) = (0..specs.len()).find(|&t| tensors[t].1 < specs[t].nbytes) {
+        return Err(CudaError::InvalidArgument(format!(
+            "tensor {t} holds {} bytes, its spec {}",
+            tensors[t].1, specs[t].nbytes
+        )));
+    }
+    crate::host::check_host_range("coded unit buffer", dst, capacity)?;
+    let bad = |e: ddo_core::CoreError| CudaError::InvalidArgument(e.to_string());
+    let mut order: Vec<usize> = (0..specs.len()).collect();
+    order.sort_by_key(|&t| specs[t].dst);
+    // the tensors not laid out yet take no bytes (layout_coded_unit skips empty tensors)
+    let mut seen: Vec<codec::TensorSpec> = specs
+        .iter()
+        .map(|s| codec::TensorSpec { nbytes: 0, ..*s })
+        .collect();
+    let mut escapes: Vec<Vec<Vec<usize>>> = vec![Vec::new(); specs.len()];
+    let mut groups: Vec<Vec<Vec<usize>>> = vec![Vec::new(); specs.len()];
+    let mut unit = CodedUnit::default();
+    for &t in &order {
+        seen[t] = specs[t];
+        if specs[t].bf16 && specs[t].nbytes > 0 {
+            let one = [(tensors[t].0, specs[t].nbytes / 2)];
+            // SAFETY: the caller's contract: the tensor holds its spec's bytes, 2-byte aligned.
+            if tiered_code {
+                let (e, g) = unsafe { count_tiered_many(&one) }?;
+                (escapes[t], groups[t]) = (e.into_iter().next().unwrap_or_default(), g.into_iter().next().unwrap_or_default());
+            } else {
+                escapes[t] = unsafe { count_escapes_many(&one) }?.into_iter().next().unwrap_or_default();
+            }
+        }
+        unit = codec::layout_coded_unit(&seen, &escapes, tiered_code.then_some(&groups[..]), max_chunk_bytes)
+            .map_err(bad)?;
+        if unit.nbytes > capacity {
+            return Err(CudaError::InvalidArgument(format!(
+                "a coded unit needs more than the {capacity} bytes given (coded_capacity gives enough)"
+            )));
+        }
+        let chunks: Vec<codec::Piece> = unit
+            .pieces
+            .iter()
+            .filter(|p| matches!(p.kind, PieceKind::Coded { tensor, .. } if tensor == t))
+            .cloned()
+            .collect();
+        if !chunks.is_empty() {
+            let part = CodedUnit {
+                pieces: chunks,
+                nbytes: unit.nbytes,
+            };
+            // SAFETY: the caller's contract; the pieces lie in the first `unit.nbytes <= capacity`
+            // bytes of `dst` (checked by encode_unit), where no other piece is.
+            unsafe { encode_unit(&part, tensors, dst) }?;
+        }
+    }
+    let raws: Vec<codec::Piece> = unit
+        .pieces
+        .iter()
+        .filter(|p| matches!(p.kind, PieceKind::Raw(_)))
+        .cloned()
+        .collect();
+    if !raws.is_empty() {
+        let part = CodedUnit {
+            pieces: raws,
+            nbytes: unit.nbytes,
+        };
+        // SAFETY: as above.
+        unsafe { encode_unit(&part, tensors, dst) }?;
+    }
+    Ok(unit)
+}
+
 /// Decodes `unit`'s host buffer at `src` back into its tensors `(address, bytes)` (the inverse
 /// of [`encode_unit`]): every raw piece and every [`codec::SUB_ELEMS`]-value range of every coded
 /// chunk in parallel (`decode_blocks` of either code), then each chunk's escapes (`apply_escapes`,
@@ -1345,6 +1458,55 @@ mod tests {
             .is_err());
         t.close().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_fused_encoder_writes_the_two_pass_bytes_and_layout() {
+        for tiered_code in [false, true] {
+            // tensors out of slot order, a raw one between coded ones, one chunk boundary crossed
+            let a = weights(codec::CHUNK_ELEMS + 70_000, 4);
+            let b: Vec<u8> = (0..999).map(|i| (i * 7) as u8).collect();
+            let c = weights(5000, 5);
+            let specs = [
+                TensorSpec { dst: 1 << 20, nbytes: 2 * a.len(), bf16: true },
+                TensorSpec { dst: 4096, nbytes: b.len(), bf16: false },
+                TensorSpec { dst: 0, nbytes: 2 * c.len(), bf16: true },
+            ];
+            let tensors = [
+                (a.as_ptr() as usize, 2 * a.len()),
+                (b.as_ptr() as usize, b.len()),
+                (c.as_ptr() as usize, 2 * c.len()),
+            ];
+            let bf16 = [(tensors[0].0, a.len()), (tensors[2].0, c.len())];
+            let shape = |v: &[Vec<Vec<usize>>]| vec![v[0].clone(), vec![], v[1].clone()];
+            let two_pass = if tiered_code {
+                // SAFETY: live vectors of that many u16s.
+                let (e, g) = unsafe { count_tiered_many(&bf16) }.unwrap();
+                layout_coded_unit(&specs, &shape(&e), Some(&shape(&g)), usize::MAX).unwrap()
+            } else {
+                // SAFETY: as above.
+                let e = unsafe { count_escapes_many(&bf16) }.unwrap();
+                layout_coded_unit(&specs, &shape(&e), None, usize::MAX).unwrap()
+            };
+            let mut want = vec![0xa5u8; two_pass.nbytes];
+            // SAFETY: the buffer holds the unit, the tensors their bytes; all live.
+            unsafe { encode_unit(&two_pass, &tensors, want.as_mut_ptr() as usize) }.unwrap();
+            let cap = coded_capacity(&specs).unwrap();
+            let mut got = vec![0xa5u8; cap];
+            // SAFETY: `got` has `cap` bytes, the tensors their bytes; all live.
+            let fused =
+                unsafe { encode_unit_fused(&specs, &tensors, tiered_code, usize::MAX, got.as_mut_ptr() as usize, cap) }
+                    .unwrap();
+            assert_eq!(fused, two_pass);
+            assert_eq!(&got[..fused.nbytes], &want[..]);
+            assert!(got[fused.nbytes..].iter().all(|&x| x == 0xa5), "nothing written past the unit");
+            // too small a buffer is an error, not a write past it
+            // SAFETY: as above; refused before writing past `nbytes - 1`.
+            assert!(unsafe {
+                encode_unit_fused(&specs, &tensors, tiered_code, usize::MAX, got.as_mut_ptr() as usize, fused.nbytes - 1)
+            }
+            .is_err());
+        }
     }
 
     #[test]

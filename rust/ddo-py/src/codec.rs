@@ -139,10 +139,7 @@ fn layout_coded_unit(
     max_chunk_bytes: usize,
     groups: Option<Vec<Vec<Vec<usize>>>>,
 ) -> PyResult<CodedUnit> {
-    let specs: Vec<TensorSpec> = tensors
-        .into_iter()
-        .map(|(dst, nbytes, bf16)| TensorSpec { dst, nbytes, bf16 })
-        .collect();
+    let specs = specs_of(tensors);
     codec::layout_coded_unit(&specs, &escapes, groups.as_deref(), max_chunk_bytes)
         .map(|inner| CodedUnit { inner })
         .map_err(|e| ConfigError::new_err(e.to_string()))
@@ -161,6 +158,43 @@ fn codec_encode_unit(
     // against the given sizes before anything is written.
     py.detach(|| unsafe { ddo_cuda::codec::encode_unit(&unit.inner, &tensors, dst) })
         .map_err(cuda_err)
+}
+
+/// Bytes a unit of these `(slot_offset, nbytes, is_bf16)` tensors can take coded (a buffer for
+/// `codec_encode_unit_fused`).
+#[pyfunction]
+fn codec_capacity(tensors: Vec<(usize, usize, bool)>) -> PyResult<usize> {
+    ddo_cuda::codec::coded_capacity(&specs_of(tensors)).map_err(cuda_err)
+}
+
+/// Counts, lays out and codes a unit in one pass over its weights (`tiered`: the two-tier code) into
+/// `capacity` bytes at `dst`, GIL released; returns its layout.
+#[pyfunction]
+fn codec_encode_unit_fused(
+    py: Python<'_>,
+    tensors: Vec<(usize, usize, bool)>,
+    sources: Vec<(usize, usize)>,
+    tiered: bool,
+    max_chunk_bytes: usize,
+    dst: usize,
+    capacity: usize,
+) -> PyResult<CodedUnit> {
+    let specs = specs_of(tensors);
+    // SAFETY: the caller (streaming/coded.py) passes the data pointers and byte sizes of contiguous
+    // CPU storage it holds during the call, and a fresh host buffer of `capacity` bytes disjoint
+    // from them; sizes are checked against the specs before anything is read or written.
+    py.detach(|| unsafe {
+        ddo_cuda::codec::encode_unit_fused(&specs, &sources, tiered, max_chunk_bytes, dst, capacity)
+    })
+    .map(|inner| CodedUnit { inner })
+    .map_err(cuda_err)
+}
+
+fn specs_of(tensors: Vec<(usize, usize, bool)>) -> Vec<TensorSpec> {
+    tensors
+        .into_iter()
+        .map(|(dst, nbytes, bf16)| TensorSpec { dst, nbytes, bf16 })
+        .collect()
 }
 
 /// Decodes the unit's host buffer at `src` into its tensors `(address, nbytes)`, GIL released.
@@ -247,6 +281,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec_count_tiered, m)?)?;
     m.add_function(wrap_pyfunction!(layout_coded_unit, m)?)?;
     m.add_function(wrap_pyfunction!(codec_encode_unit, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_encode_unit_fused, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_unit, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_device, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_host, m)?)?;
