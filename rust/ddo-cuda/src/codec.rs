@@ -606,7 +606,8 @@ fn decode_piece(kind: &PieceKind, inp: &[u8], out: &mut [u16]) -> Result<()> {
 /// alignment of a piece per chunk and per tensor. [`encode_unit_fused`] writes into a buffer of this
 /// size (pages it never reaches are never touched).
 pub fn coded_capacity(specs: &[codec::TensorSpec]) -> Result<usize> {
-    let overflow = || CudaError::InvalidArgument("a coded unit larger than the address space".into());
+    let overflow =
+        || CudaError::InvalidArgument("a coded unit larger than the address space".into());
     specs.iter().try_fold(codec::PIECE_ALIGN, |acc, s| {
         let pieces = codec::chunks(s.nbytes / 2).count() + 1;
         pieces
@@ -670,13 +671,24 @@ pub unsafe fn encode_unit_fused(
             // SAFETY: the caller's contract: the tensor holds its spec's bytes, 2-byte aligned.
             if tiered_code {
                 let (e, g) = unsafe { count_tiered_many(&one) }?;
-                (escapes[t], groups[t]) = (e.into_iter().next().unwrap_or_default(), g.into_iter().next().unwrap_or_default());
+                (escapes[t], groups[t]) = (
+                    e.into_iter().next().unwrap_or_default(),
+                    g.into_iter().next().unwrap_or_default(),
+                );
             } else {
-                escapes[t] = unsafe { count_escapes_many(&one) }?.into_iter().next().unwrap_or_default();
+                escapes[t] = unsafe { count_escapes_many(&one) }?
+                    .into_iter()
+                    .next()
+                    .unwrap_or_default();
             }
         }
-        unit = codec::layout_coded_unit(&seen, &escapes, tiered_code.then_some(&groups[..]), max_chunk_bytes)
-            .map_err(bad)?;
+        unit = codec::layout_coded_unit(
+            &seen,
+            &escapes,
+            tiered_code.then_some(&groups[..]),
+            max_chunk_bytes,
+        )
+        .map_err(bad)?;
         if unit.nbytes > capacity {
             return Err(CudaError::InvalidArgument(format!(
                 "a coded unit needs more than the {capacity} bytes given (coded_capacity gives enough)"
@@ -1214,17 +1226,22 @@ impl Stage for StagedDecode {
                 // SAFETY: `fetch_file_coded`'s contract: `staged` holds the unit's bytes (its
                 // pieces lie in them: `check_pieces` at registration) and the slot its span;
                 // pieces write disjoint ranges of the slot.
-                let inp = unsafe { std::slice::from_raw_parts((staged + p.src) as *const u8, p.len) };
+                let inp =
+                    unsafe { std::slice::from_raw_parts((staged + p.src) as *const u8, p.len) };
                 match p.kind {
                     PieceKind::Raw(_) => {
                         // SAFETY: as above.
-                        let dst = unsafe { std::slice::from_raw_parts_mut((out + p.dst) as *mut u8, p.len) };
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut((out + p.dst) as *mut u8, p.len)
+                        };
                         dst.copy_from_slice(inp);
                         Ok(())
                     }
                     PieceKind::Coded { values, .. } => {
                         // SAFETY: as above.
-                        let dst = unsafe { std::slice::from_raw_parts_mut((out + p.dst) as *mut u16, values) };
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut((out + p.dst) as *mut u16, values)
+                        };
                         decode_piece(&p.kind, inp, dst)
                     }
                 }
@@ -1239,9 +1256,20 @@ impl Stage for StagedDecode {
             // unit layout aligns tensors to 256 bytes and chunks to 16 MiB).
             unsafe {
                 match p.kind {
-                    PieceKind::Raw(_) => crate::job::d2d_async(out + p.dst, staged + p.src, p.len, stream)?,
-                    PieceKind::Coded { values, escapes, .. } => match p.kind.tiered_counts() {
-                        None => launch_decode(&fixed, stream, staged + p.src, out + p.dst, values, escapes)?,
+                    PieceKind::Raw(_) => {
+                        crate::job::d2d_async(out + p.dst, staged + p.src, p.len, stream)?
+                    }
+                    PieceKind::Coded {
+                        values, escapes, ..
+                    } => match p.kind.tiered_counts() {
+                        None => launch_decode(
+                            &fixed,
+                            stream,
+                            staged + p.src,
+                            out + p.dst,
+                            values,
+                            escapes,
+                        )?,
                         Some(counts) => crate::tiered::launch_decode(
                             &tiered_kernel(ordinal)?,
                             stream,
@@ -1395,7 +1423,9 @@ mod tests {
         assert!(a2 == a && b2 == b && c2 == c);
         // through the transport into a slot
         let mut t = Transport::new(Target::Cpu, 1, None).unwrap();
-        let id = t.add_coded_unit(unit.clone(), host.as_ptr() as usize).unwrap();
+        let id = t
+            .add_coded_unit(unit.clone(), host.as_ptr() as usize)
+            .unwrap();
         let mut slot = vec![0u8; 141_056 + 2 * c.len()];
         // SAFETY: the slot holds the unit's span; the host buffer is live and unmodified.
         unsafe { t.fetch_coded(0, slot.as_mut_ptr() as usize, id) }.unwrap();
@@ -1430,7 +1460,12 @@ mod tests {
         };
         let mut t = Transport::new(Target::Cpu, 2, Some(staging)).unwrap();
         let f = t.open_file(&path, false).unwrap();
-        let piece = ddo_core::ReadPiece { file: f, offset: 4096, len: host.len() as u64, dst: 0 };
+        let piece = ddo_core::ReadPiece {
+            file: f,
+            offset: 4096,
+            len: host.len() as u64,
+            dst: 0,
+        };
         let fu = t.add_file_unit(&[piece], 0).unwrap();
         let su = t.add_staged_unit(unit).unwrap();
         let mut staged = vec![0u8; host.len()];
@@ -1438,8 +1473,16 @@ mod tests {
             let mut slot = vec![0u8; 141_056 + 2 * c.len()];
             // SAFETY: `staged` holds the file unit's span, the slot the unit's; both live past
             // the drain below.
-            unsafe { t.fetch_file_coded(round, slot.as_mut_ptr() as usize, fu, su, staged.as_mut_ptr() as usize) }
-                .unwrap();
+            unsafe {
+                t.fetch_file_coded(
+                    round,
+                    slot.as_mut_ptr() as usize,
+                    fu,
+                    su,
+                    staged.as_mut_ptr() as usize,
+                )
+            }
+            .unwrap();
             t.acquire(round, Stream::DEFAULT).unwrap();
             assert_eq!(words(&slot[..2 * a.len()]), a);
             assert_eq!(&slot[140_032..140_032 + b.len()], &b[..]);
@@ -1448,14 +1491,38 @@ mod tests {
         }
         // a staging buffer or a file unit too small for the coded unit is refused before any read
         let short = t
-            .add_file_unit(&[ddo_core::ReadPiece { file: f, offset: 4096, len: 100, dst: 0 }], 0)
+            .add_file_unit(
+                &[ddo_core::ReadPiece {
+                    file: f,
+                    offset: 4096,
+                    len: 100,
+                    dst: 0,
+                }],
+                0,
+            )
             .unwrap();
         // SAFETY: refused before anything is touched.
-        assert!(unsafe { t.fetch_file_coded(0, slot.as_mut_ptr() as usize, short, su, staged.as_mut_ptr() as usize) }
-            .is_err());
+        assert!(unsafe {
+            t.fetch_file_coded(
+                0,
+                slot.as_mut_ptr() as usize,
+                short,
+                su,
+                staged.as_mut_ptr() as usize,
+            )
+        }
+        .is_err());
         // SAFETY: as above: staged unit 9 was never registered.
-        assert!(unsafe { t.fetch_file_coded(0, slot.as_mut_ptr() as usize, fu, 9, staged.as_mut_ptr() as usize) }
-            .is_err());
+        assert!(unsafe {
+            t.fetch_file_coded(
+                0,
+                slot.as_mut_ptr() as usize,
+                fu,
+                9,
+                staged.as_mut_ptr() as usize,
+            )
+        }
+        .is_err());
         t.close().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -1468,9 +1535,21 @@ mod tests {
             let b: Vec<u8> = (0..999).map(|i| (i * 7) as u8).collect();
             let c = weights(5000, 5);
             let specs = [
-                TensorSpec { dst: 1 << 20, nbytes: 2 * a.len(), bf16: true },
-                TensorSpec { dst: 4096, nbytes: b.len(), bf16: false },
-                TensorSpec { dst: 0, nbytes: 2 * c.len(), bf16: true },
+                TensorSpec {
+                    dst: 1 << 20,
+                    nbytes: 2 * a.len(),
+                    bf16: true,
+                },
+                TensorSpec {
+                    dst: 4096,
+                    nbytes: b.len(),
+                    bf16: false,
+                },
+                TensorSpec {
+                    dst: 0,
+                    nbytes: 2 * c.len(),
+                    bf16: true,
+                },
             ];
             let tensors = [
                 (a.as_ptr() as usize, 2 * a.len()),
@@ -1494,16 +1573,34 @@ mod tests {
             let cap = coded_capacity(&specs).unwrap();
             let mut got = vec![0xa5u8; cap];
             // SAFETY: `got` has `cap` bytes, the tensors their bytes; all live.
-            let fused =
-                unsafe { encode_unit_fused(&specs, &tensors, tiered_code, usize::MAX, got.as_mut_ptr() as usize, cap) }
-                    .unwrap();
+            let fused = unsafe {
+                encode_unit_fused(
+                    &specs,
+                    &tensors,
+                    tiered_code,
+                    usize::MAX,
+                    got.as_mut_ptr() as usize,
+                    cap,
+                )
+            }
+            .unwrap();
             assert_eq!(fused, two_pass);
             assert_eq!(&got[..fused.nbytes], &want[..]);
-            assert!(got[fused.nbytes..].iter().all(|&x| x == 0xa5), "nothing written past the unit");
+            assert!(
+                got[fused.nbytes..].iter().all(|&x| x == 0xa5),
+                "nothing written past the unit"
+            );
             // too small a buffer is an error, not a write past it
             // SAFETY: as above; refused before writing past `nbytes - 1`.
             assert!(unsafe {
-                encode_unit_fused(&specs, &tensors, tiered_code, usize::MAX, got.as_mut_ptr() as usize, fused.nbytes - 1)
+                encode_unit_fused(
+                    &specs,
+                    &tensors,
+                    tiered_code,
+                    usize::MAX,
+                    got.as_mut_ptr() as usize,
+                    fused.nbytes - 1,
+                )
             }
             .is_err());
         }

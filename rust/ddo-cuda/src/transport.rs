@@ -330,7 +330,12 @@ impl Transport {
                 fu.span, unit.nbytes
             )));
         }
-        let span = unit.pieces.iter().map(|p| p.dst + p.out_bytes()).max().unwrap_or(0);
+        let span = unit
+            .pieces
+            .iter()
+            .map(|p| p.dst + p.out_bytes())
+            .max()
+            .unwrap_or(0);
         crate::host::check_host_range("coded file fetch destination", dst, span)?;
         crate::host::check_host_range("coded file staging buffer", staged, fu.span)?;
         let ordinal = match self.target {

@@ -236,7 +236,9 @@ impl Transport {
     /// Registers the layout of a coded unit read from a file; returns its index for
     /// `fetch_file_coded`.
     fn add_staged_unit(&mut self, unit: &crate::codec::CodedUnit) -> PyResult<usize> {
-        self.get()?.add_staged_unit(unit.inner.clone()).map_err(cuda_err)
+        self.get()?
+            .add_staged_unit(unit.inner.clone())
+            .map_err(cuda_err)
     }
 
     /// Starts filling `slot` at `dst` with staged coded unit `coded`, read by file unit
