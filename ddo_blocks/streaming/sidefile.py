@@ -11,7 +11,10 @@ never inside it, so every call reads fewer bytes from the disk and sends fewer o
   nanoseconds, inode) and a hash of its first and last MiB, and each unit's tensors (name, file,
   offset, size, slot offset). It is not a hash of every byte: a checkpoint rewritten in place with
   its size and times kept would not be seen (no download or copy does that). The side file's own
-  identity is checked before every call, as the checkpoint's is.
+  identity is checked before every call, as the checkpoint's is. Two processes that code the same
+  side file at once both write it (each its own temporary file, renamed into place); the one whose
+  file was replaced stops at its next call with a ``CheckpointError`` (attach again: the side file
+  is then found).
 
 Coding reads each disk unit's tensors from the checkpoint (one unit in RAM at a time), counts,
 lays out and codes them in parallel Rust, and writes the buffer; the second attach only reads the

@@ -199,8 +199,8 @@ class FileStore:
         self.requested_codec = requested_codec or codec
         self.codec_dir = codec_dir
         self.staged_reserve = staged_reserve
-        """Device bytes planned for the staging buffer (``nvme_codec_reserve``): a unit coded larger is read as
-        stored."""
+        """Device bytes the plan reserved for the staging buffer (``sidefile.reserve_bytes``): a unit coded
+        larger is read from the checkpoint as stored."""
         self.side: Any = None  # sidefile.SideFile once built
         self._staged_unit: dict[int, int] = {}  # streamed index -> the transport's staged coded unit
         self._side_index: dict[int, int] = {}  # streamed index -> its unit in the side file
