@@ -192,6 +192,8 @@ def layout_coded_unit(tensors: Sequence[tuple[int, int, bool]], escapes: Sequenc
     """``tensors``: ``(slot_offset, nbytes, is_bf16)``; ``escapes``: per bf16 tensor, from codec_count_escapes
     (or codec_count_tiered, whose ``groups`` select the two-tier code)."""
 def codec_encode_unit(unit: CodedUnit, tensors: Sequence[tuple[int, int]], dst: int) -> None: ...
+def codec_compose(parts: Sequence[tuple[CodedUnit, int, int]]) -> CodedUnit:
+    """One unit from units of one tensor each: (unit, offset in the new buffer, offset in the slot)."""
 def codec_capacity(tensors: Sequence[tuple[int, int, bool]]) -> int:
     """Bytes a unit of these (slot_offset, nbytes, is_bf16) tensors can take coded, whatever its counts."""
 def codec_encode_unit_fused(tensors: Sequence[tuple[int, int, bool]], sources: Sequence[tuple[int, int]], tiered: bool,

@@ -28,11 +28,11 @@ def ckpt(flux_checkpoints, tmp_path):
     return tmp_path / "single", model, x, ref
 
 
-def _load(path, model, codec, ram_budget=0, device="cpu", **kw):
+def _load(path, model, codec, ram_budget=0, device="cpu", units="block", **kw):
     # on a GPU the coded reads' staging buffer is taken from the budget
     budget = kw.pop("vram_budget", budgets(model)["all_streamed"] + sidefile.reserve_bytes(model, codec, torch.device(device)))
     return ddo_blocks.from_pretrained(FluxTransformer2DModel, path, route="nvme", ram_budget=ram_budget, device=device,
-                                      vram_budget=budget, progress=False, units="block", codec=codec, **kw)
+                                      vram_budget=budget, progress=False, units=units, codec=codec, **kw)
 
 
 def _run(handle, x, ref, calls=3):
@@ -71,15 +71,20 @@ def test_exact_with_fewer_bytes_from_disk_and_the_side_file_reused(ckpt, codec):
             assert torch.equal(handle.module(**x)[0], ref)  # read back from the checkpoint, a plain module
 
 
-def test_partial_ram_cache_codes_only_the_disk_units(ckpt):
+def test_one_side_file_serves_every_plan(ckpt):
+    """The side file codes tensors, not units: another RAM cache, budget or granularity reuses it."""
     path, model, x, ref = ckpt
     streamed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "blocks." in n)
-    handle = _load(path, model, "fixed", ram_budget=streamed // 2)
-    _run(handle, x, ref)
-    rep = handle.report()
-    assert 0 < rep["plan"]["cached_units"] < 5
-    assert rep["codec"]["coded_units"] == rep["plan"]["disk_units"]
-    handle.remove()
+    _load(path, model, "fixed").remove()  # writes it
+    for kw in ({"ram_budget": streamed // 2}, {"units": "child"}):
+        handle = _load(path, model, "fixed", **kw)
+        _run(handle, x, ref)
+        rep = handle.report()
+        assert rep["codec"]["side_file_reused"] is True
+        assert rep["codec"]["coded_units"] == rep["plan"]["disk_units"] > 0
+        if "ram_budget" in kw:
+            assert 0 < rep["plan"]["cached_units"] < 5
+        handle.remove()
 
 
 def test_a_changed_checkpoint_codes_again(ckpt):

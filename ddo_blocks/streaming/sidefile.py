@@ -1,24 +1,27 @@
-"""The NVMe route's coded side file (``route="nvme", codec=...``): the units it reads from disk,
-coded (``ddo-core``'s fixed-rate or two-tier code), in a file of their own next to the checkpoint,
-never inside it, so every call reads fewer bytes from the disk and sends fewer over the link.
+"""The NVMe route's coded side file (``route="nvme", codec=...``): every tensor of the checkpoint,
+coded (``ddo-core``'s fixed-rate or two-tier code) or as stored, in a file of its own next to the
+checkpoint, never inside it, so every call reads fewer bytes from the disk and sends fewer over the
+link.
 
-- ``<stem>.ddo-<codec>.units``: each unit's coded buffer (the layout ``CodedSlabs`` holds in RAM),
-  4 KiB aligned, so ``O_DIRECT`` reads it as it reads the checkpoint.
-- ``<stem>.ddo-<codec>.json``: the key and every unit's layout inputs (its tensors' slot offsets,
-  sizes, counts). Written last (a rename): a side file without it, or with another key, is coded
-  again.
-- The key: the format, the codec, each checkpoint file's identity (size, modification time in
-  nanoseconds, inode) and a hash of its first and last MiB, and each unit's tensors (name, file,
-  offset, size, slot offset). It is not a hash of every byte: a checkpoint rewritten in place with
-  its size and times kept would not be seen (no download or copy does that). The side file's own
-  identity is checked before every call, as the checkpoint's is. Two processes that code the same
-  side file at once both write it (each its own temporary file, renamed into place); the one whose
-  file was replaced stops at its next call with a ``CheckpointError`` (attach again: the side file
-  is then found).
+- ``<stem>.ddo-<codec>.units``: each tensor as a coded unit of its own (bf16 tensors of at least
+  ``coded.MIN_CODED_VALUES`` values; the others as stored), one after the other in the
+  checkpoint's order, 256-byte aligned. A streamed unit of any plan (budget, granularity, RAM
+  cache) is composed of its tensors' blobs (``codec_compose``): one side file serves every plan.
+- ``<stem>.ddo-<codec>.json``: the key and every tensor's place in the side file and its counts
+  (from which its layout is made again). Written last (a rename): a side file without it, or with
+  another key, is coded again.
+- The key: the format, the codec, and each checkpoint file's identity (size, modification time in
+  nanoseconds, inode) and a hash of its first and last MiB. It is not a hash of every byte: a
+  checkpoint rewritten in place with its size and times kept would not be seen (no download or copy
+  does that). The side file's own identity is checked before every call, as the checkpoint's is.
+  Two processes that code the same side file at once both write it (each its own temporary file,
+  renamed into place); the one whose file was replaced stops at its next call with a
+  ``CheckpointError`` (attach again: the side file is then found).
 
-Coding reads each disk unit's tensors from the checkpoint (one unit in RAM at a time), counts,
-lays out and codes them in parallel Rust, and writes the buffer; the second attach only reads the
-JSON. The reads at run time decode on the copy stream (``Transport.fetch_file_coded``).
+Coding reads the checkpoint in groups of tensors of about :data:`GROUP_BYTES` (parallel positional
+reads), counts, lays out and codes each tensor in parallel Rust, and writes the blobs; the second
+attach only reads the JSON. The reads at run time decode on the copy stream
+(``Transport.fetch_file_coded``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import os
 import re
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,27 +43,52 @@ from ..errors import CheckpointError, ConfigError
 from . import coded
 from .slabs import _alloc, _progress
 
-FORMAT = 1
+FORMAT = 2
 ALIGN = 4096
+BLOB_ALIGN = 256
+"""Each tensor's blob in the side file, and in a unit's staging buffer, starts at a multiple of this."""
+GROUP_BYTES = 256 << 20
+"""Checkpoint bytes read (in parallel) before they are coded and written."""
 SAMPLE_BYTES = 1 << 20
 """Bytes hashed at each end of a checkpoint file for the key."""
 
 
 @dataclass
+class Blob:
+    """One tensor in the side file: where, and its layout (a coded unit of one tensor at slot 0)."""
+
+    offset: int
+    layout: Any  # _native.CodedUnit
+
+
+@dataclass
 class SideFile:
-    """A written (or found) side file: where each disk unit's coded bytes are, and their layouts."""
+    """A written (or found) side file: every tensor's blob, by (checkpoint file name, offset)."""
 
     path: Path
     codec: str
-    offsets: list[int]
-    layouts: list[Any]  # _native.CodedUnit per disk unit
+    blobs: dict[tuple[str, int], Blob]
     reused: bool
     encode_s: float
     stamp: tuple[int, int, int]
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.layouts)
+        return sum(b.layout.nbytes for b in self.blobs.values())
+
+    def unit(self, sources: list[tuple[Any, int]]) -> tuple[Any, list[tuple[int, int, int]]] | None:
+        """A unit of these ``(loading.TensorSource, slot offset)`` tensors from their blobs: its layout
+        (its staging buffer holds the blobs one after the other) and its reads ``(offset in the side
+        file, bytes, offset in the staging buffer)``; ``None`` when a tensor has no blob."""
+        parts, reads, at = [], [], 0
+        for src, slot in sources:
+            blob = self.blobs.get((src.path.name, src.offset))
+            if blob is None:
+                return None
+            parts.append((blob.layout, at, slot))
+            reads.append((blob.offset, blob.layout.nbytes, at))
+            at = -(-(at + blob.layout.nbytes) // BLOB_ALIGN) * BLOB_ALIGN
+        return _native.codec_compose(parts), reads
 
     def check_unchanged(self) -> None:
         try:
@@ -90,55 +119,67 @@ def paths(directory: Path, stem: str, codec: str) -> tuple[Path, Path]:
     return directory / f"{stem}.ddo-{codec}.units", directory / f"{stem}.ddo-{codec}.json"
 
 
-def prepare(checkpoint: Any, codec: str, units: list[list[tuple[str, Any, int, torch.Tensor]]], *,
-            directory: Path | None = None) -> SideFile:
-    """The side file of ``codec`` for these disk ``units`` (per unit, per tensor: name, its
-    ``loading.TensorSource``, its offset in the slot, the parameter), found or written.
-    ``directory``: where it goes (default: the checkpoint's)."""
+def prepare(checkpoint: Any, codec: str, *, directory: Path | None = None) -> SideFile:
+    """The side file of ``codec`` for every tensor of ``checkpoint`` (a ``loading.Checkpoint``), found
+    or written. ``directory``: where it goes (default: the checkpoint's)."""
     if codec not in coded.CODES:
         raise ConfigError(f"the NVMe route codes with {' or '.join(map(repr, coded.CODES))}, not {codec!r}")
     directory = Path(directory) if directory is not None else checkpoint.directory
-    files = sorted({src.path for unit in units for _, src, _, _ in unit})
+    files = sorted({src.path for src in checkpoint.tensors.values()})
     # the checkpoint's name without a shard's "-00001-of-00003"
     stem = re.sub(r"-\d+-of-\d+$", "", files[0].name.split(".")[0]) if files else "model"
     data, header = paths(directory, stem, codec)
-    key = {
-        "format": FORMAT,
-        "codec": codec,
-        "files": [_file_key(f) for f in files],
-        "units": [[[name, src.path.name, src.offset, src.nbytes, off] for name, src, off, _ in unit] for unit in units],
-    }
-    found = _read(data, header, key)
+    key = {"format": FORMAT, "codec": codec, "files": [_file_key(f) for f in files]}
+    found = _read(data, header, key, codec)
     if found is not None:
         return found
-    return _write(data, header, key, codec, units)
+    return _write(data, header, key, codec, checkpoint)
 
 
-def _layout(entry: dict[str, Any]) -> Any:
-    return _native.layout_coded_unit([tuple(s) for s in entry["specs"]], entry["escapes"], 1 << 62, entry["groups"])
+def _coded(src: Any) -> bool:
+    return src.dtype == torch.bfloat16 and src.nbytes // 2 >= coded.MIN_CODED_VALUES
 
 
-def _read(data: Path, header: Path, key: dict[str, Any]) -> SideFile | None:
+def _layout(entry: list[Any]) -> Any:
+    _, _, nbytes, bf16, escapes, groups, _ = entry
+    return _native.layout_coded_unit([(0, nbytes, bf16)], [escapes], 1 << 62, [groups] if groups is not None else None)
+
+
+def _read(data: Path, header: Path, key: dict[str, Any], codec: str) -> SideFile | None:
     try:
         meta = json.loads(header.read_text())
         stamp = _stamp(data)
-    except (OSError, ValueError):
-        return None
-    if meta.get("key") != key or meta.get("stamp") != list(stamp):
-        return None
-    layouts = [_layout(e) for e in meta["units"]]
-    if [c.nbytes for c in layouts] != [e["nbytes"] for e in meta["units"]]:
-        return None
-    return SideFile(data, key["codec"], [e["offset"] for e in meta["units"]], layouts, True, 0.0, stamp)
+        if meta.get("key") != key or meta.get("stamp") != list(stamp):
+            return None
+        blobs = {}
+        for entry in meta["tensors"]:
+            layout = _layout(entry)
+            if layout.nbytes != entry[-1][1]:
+                return None
+            blobs[(entry[0], entry[1])] = Blob(entry[-1][0], layout)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, ConfigError):
+        return None  # unreadable or from another version: coded again
+    return SideFile(data, codec, blobs, True, 0.0, stamp)
 
 
-def _write(data: Path, header: Path, key: dict[str, Any], codec: str,
-           units: list[list[tuple[str, Any, int, torch.Tensor]]]) -> SideFile:
+def _groups(sources: list[Any]) -> list[list[Any]]:
+    out: list[list[Any]] = [[]]
+    size = 0
+    for src in sources:
+        if out[-1] and size + src.nbytes > GROUP_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(src)
+        size += src.nbytes
+    return out
+
+
+def _write(data: Path, header: Path, key: dict[str, Any], codec: str, checkpoint: Any) -> SideFile:
     t0 = time.perf_counter()
     tmp = data.with_name(f"{data.name}.tmp-{os.getpid()}")
-    entries: list[dict[str, Any]] = []
-    layouts: list[Any] = []
-    total = sum(src.nbytes for unit in units for _, src, _, _ in unit)
+    sources = sorted(checkpoint.tensors.values(), key=lambda t: (str(t.path), t.offset))
+    entries: list[list[Any]] = []
+    blobs: dict[tuple[str, int], Blob] = {}
     try:
         f = open(tmp, "wb")  # noqa: SIM115 (closed by the with below; its failure has its own message)
     except OSError as exc:
@@ -147,51 +188,42 @@ def _write(data: Path, header: Path, key: dict[str, Any], codec: str,
             f"is not writable ({exc}); pass codec_dir='<a writable directory>' or codec='off'"
         ) from exc
     try:
-        with f, _progress(total, f"coding to {data.name}") as bar:
+        with f, _progress(sum(t.nbytes for t in sources), f"coding to {data.name}") as bar:
             offset = 0
-            for unit in units:
-                srcs = []
-                for _, src, _, p in unit:
-                    t = torch.empty(src.nbytes, dtype=torch.uint8)
-                    _native.read_file_into(src.path, [(src.offset, src.nbytes, t.data_ptr())])
-                    srcs.append(t.view(p.dtype) if src.nbytes % p.element_size() == 0 else t)
-                bf16 = [p.dtype == torch.bfloat16 and t.numel() >= coded.MIN_CODED_VALUES and t.dtype == torch.bfloat16
-                        for (_, _, _, p), t in zip(unit, srcs)]
-                esc, groups = coded._count(codec, [(t.data_ptr(), t.numel()) for t, b in zip(srcs, bf16) if b])
-                specs = [(off, src.nbytes, b) for (_, src, off, _), b in zip(unit, bf16)]
-                entry = {"specs": specs, "escapes": coded._per_tensor(esc, bf16),
-                         "groups": coded._per_tensor(groups, bf16) if groups is not None else None}
-                layout = _layout(entry)
-                _, buf = _alloc(layout.nbytes)
-                _native.codec_encode_unit(layout, [(t.data_ptr(), t.numel() * t.element_size()) for t in srcs],
-                                          buf.data_ptr())
-                f.seek(offset)
-                f.write(memoryview(buf.numpy()))
-                entries.append({**entry, "offset": offset, "nbytes": layout.nbytes})
-                layouts.append(layout)
-                offset = -(-(offset + layout.nbytes) // ALIGN) * ALIGN
-                bar.update(sum(src.nbytes for _, src, _, _ in unit))
-            f.truncate(max(offset, 1))
+            for group in _groups(sources):
+                bufs = [torch.empty(src.nbytes, dtype=torch.uint8) for src in group]
+                by_file: dict[Path, list[tuple[int, int, int]]] = defaultdict(list)
+                for src, t in zip(group, bufs):
+                    by_file[src.path].append((src.offset, src.nbytes, t.data_ptr()))
+                for path, jobs in by_file.items():
+                    _native.read_file_into(path, jobs)  # parallel positional reads
+                for src, t in zip(group, bufs):
+                    bf16 = _coded(src)
+                    if bf16:
+                        esc, grp = coded._count(codec, [(t.data_ptr(), src.nbytes // 2)])
+                        escapes, groups = esc[0], (grp[0] if grp is not None else None)
+                    else:
+                        escapes, groups = [], ([] if codec == "tiered" else None)
+                    entry = [src.path.name, src.offset, src.nbytes, bf16, escapes, groups]
+                    layout = _layout([*entry, None])
+                    _, buf = _alloc(layout.nbytes)
+                    _native.codec_encode_unit(layout, [(t.data_ptr(), src.nbytes)], buf.data_ptr())
+                    f.seek(offset)
+                    f.write(memoryview(buf.numpy()))
+                    entries.append([*entry, [offset, layout.nbytes]])
+                    blobs[(src.path.name, src.offset)] = Blob(offset, layout)
+                    offset = -(-(offset + layout.nbytes) // BLOB_ALIGN) * BLOB_ALIGN
+                    bar.update(src.nbytes)
+            f.truncate(-(-max(offset, 1) // ALIGN) * ALIGN)
         os.replace(tmp, data)
         stamp = _stamp(data)
         side = header.with_name(f"{header.name}.tmp-{os.getpid()}")
-        side.write_text(json.dumps({"key": key, "stamp": list(stamp), "units": entries}))
+        side.write_text(json.dumps({"key": key, "stamp": list(stamp), "tensors": entries}))
         os.replace(side, header)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return SideFile(data, codec, [e["offset"] for e in entries], layouts, False, time.perf_counter() - t0, stamp)
-
-
-def unit_tensors(engine: Any, u: int, loader: Any) -> list[tuple[str, Any, int, torch.Tensor]]:
-    """Streamed unit ``u``'s tensors as :func:`prepare` takes them."""
-    return [(name, loader.source(p), off, p)
-            for (name, p), off in zip(engine.streamed[u].params, engine.offsets[u])]
-
-
-def coded_span(layouts: list[Any]) -> int:
-    """Device bytes the staging buffer needs: the largest coded unit."""
-    return max((c.nbytes for c in layouts), default=0)
+    return SideFile(data, codec, blobs, False, time.perf_counter() - t0, stamp)
 
 
 RESERVE_SLACK = 0.03

@@ -203,7 +203,8 @@ class FileStore:
         larger is read from the checkpoint as stored."""
         self.side: Any = None  # sidefile.SideFile once built
         self._staged_unit: dict[int, int] = {}  # streamed index -> the transport's staged coded unit
-        self._side_index: dict[int, int] = {}  # streamed index -> its unit in the side file
+        self._side_unit: dict[int, tuple[Any, list[tuple[int, int, int]]]] = {}
+        """Streamed index -> its layout from the side file's blobs and their reads (``SideFile.unit``)."""
         self.staged: torch.Tensor | None = None
         preset: Preset = e.preset
         self.loader = e.loader
@@ -289,14 +290,14 @@ class FileStore:
         if self.codec != "off" and self.disk_units:
             from . import sidefile
 
-            self.side = sidefile.prepare(self.loader.checkpoint, self.codec,
-                                         [sidefile.unit_tensors(e, u, self.loader) for u in self.disk_units],
-                                         directory=self.codec_dir)
+            self.side = sidefile.prepare(self.loader.checkpoint, self.codec, directory=self.codec_dir)
             coded_bytes = raw_bytes = 0
-            for k, u in enumerate(self.disk_units):
-                if self.side.layouts[k].nbytes <= self.staged_reserve or e.device.type != "cuda":
-                    self._side_index[u] = k
-                    coded_bytes += self.side.layouts[k].nbytes
+            for u in self.disk_units:
+                unit = self.side.unit([(self.loader.source(p), off)
+                                       for (_, p), off in zip(e.streamed[u].params, e.offsets[u])])
+                if unit is not None and (unit[0].nbytes <= self.staged_reserve or e.device.type != "cuda"):
+                    self._side_unit[u] = unit
+                    coded_bytes += sum(n for _, n, _ in unit[1])
                     raw_bytes += e.unit_bytes[e.streamed[u].index]
             if raw_bytes:
                 self.coded_ratio = coded_bytes / raw_bytes
@@ -333,17 +334,16 @@ class FileStore:
                     pieces.append((file_ids[src.path], src.offset, src.nbytes, off))
                 self._file_unit[u] = transport.add_file_unit(pieces, READ_GAP_BYTES)
             self._file_ids = {p.name: i for p, i in file_ids.items()}
-            if self._side_index:
+            if self._side_unit:
                 side = self.side
                 fid = transport.open_file(str(side.path))
                 self._file_ids[side.path.name] = fid
-                span = max(side.layouts[k].nbytes for k in self._side_index.values())
                 # one buffer for every coded read: the copy stream orders each unit's decode before
                 # the next unit's copies into it
+                span = max(layout.nbytes for layout, _ in self._side_unit.values())
                 self.staged = torch.empty(max(span, 1), dtype=torch.uint8, device=e.device)
-                for u, k in self._side_index.items():
-                    layout = side.layouts[k]
-                    self._file_unit[u] = transport.add_file_unit([(fid, side.offsets[k], layout.nbytes, 0)],
+                for u, (layout, reads) in self._side_unit.items():
+                    self._file_unit[u] = transport.add_file_unit([(fid, off, n, at) for off, n, at in reads],
                                                                  READ_GAP_BYTES)
                     self._staged_unit[u] = transport.add_staged_unit(layout)
         except BaseException:
@@ -375,7 +375,7 @@ class FileStore:
         self._disk_bytes0 = transport.disk_stats()[1] if transport is not None else 0
         try:
             self.loader.checkpoint.check_unchanged()  # one stat per file: a changed file stops the call
-            if self._side_index:
+            if self._side_unit:
                 self.side.check_unchanged()
         except CheckpointError as exc:
             raise CheckpointError(
@@ -458,7 +458,7 @@ class FileStore:
     def disk_bytes(self) -> int:
         """Bytes read from disk per call (before alignment): coded where the side file holds the unit."""
         e = self.engine
-        return sum(self.side.layouts[self._side_index[u]].nbytes if u in self._side_index
+        return sum(sum(n for _, n, _ in self._side_unit[u][1]) if u in self._side_unit
                    else e.unit_bytes[e.streamed[u].index] for u in self.disk_units)
 
     def report_sections(self, transport: Any) -> dict[str, dict[str, Any]]:
@@ -494,8 +494,8 @@ class FileStore:
 
     def _codec_section(self) -> dict[str, Any]:
         e, side = self.engine, self.side
-        raw = sum(e.unit_bytes[e.streamed[u].index] for u in self._side_index)
-        coded_bytes = sum(side.layouts[k].nbytes for k in self._side_index.values()) if side else 0
+        raw = sum(e.unit_bytes[e.streamed[u].index] for u in self._side_unit)
+        coded_bytes = sum(n for _, reads in self._side_unit.values() for _, n, _ in reads)
         return {
             "requested": self.requested_codec,
             "codec": self.codec,
@@ -503,12 +503,11 @@ class FileStore:
             "side_file_bytes": side.nbytes if side else 0,
             "side_file_reused": side.reused if side else None,
             "encode_s": side.encode_s if side else 0.0,
-            "coded_units": len(self._side_index),
-            "disk_units_read_as_stored": len(self.disk_units) - len(self._side_index),
+            "coded_units": len(self._side_unit),
+            "disk_units_read_as_stored": len(self.disk_units) - len(self._side_unit),
             "raw_bytes": raw,
             "coded_bytes": coded_bytes,
             "ratio": coded_bytes / raw if raw else None,
             "staging_device_bytes": self.device_bytes,
             "staging_reserve_bytes": self.staged_reserve,
         }
-

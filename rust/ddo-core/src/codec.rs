@@ -579,6 +579,67 @@ impl CodedUnit {
         self.pieces.iter().map(Piece::out_bytes).sum()
     }
 
+    /// One unit from coded tensors laid out on their own (each a unit of one tensor): part `k`'s
+    /// pieces moved to `src` in the new buffer and `dst` in the slot, its tensor numbered `k`. The
+    /// parts' buffers must not overlap, nor their slot ranges (the NVMe route's side file codes
+    /// tensors, and a unit of any budget or granularity is composed of them). Errors on overlaps
+    /// and on offsets that wrap.
+    pub fn compose(parts: &[(&CodedUnit, usize, usize)]) -> Result<CodedUnit> {
+        let wrap =
+            || CoreError::InvalidArgument("a composed unit larger than the address space".into());
+        let mut pieces = Vec::new();
+        let mut nbytes = 0usize;
+        let mut spans: Vec<(usize, usize, usize, usize)> = Vec::new(); // src, src end, dst, dst end
+        for (k, &(part, src, dst)) in parts.iter().enumerate() {
+            let end = src.checked_add(part.nbytes).ok_or_else(wrap)?;
+            let out = dst.checked_add(part.out_bytes()).ok_or_else(wrap)?;
+            spans.push((src, end, dst, out));
+            nbytes = nbytes.max(end);
+            for p in &part.pieces {
+                let kind = match &p.kind {
+                    PieceKind::Raw(segs) => {
+                        PieceKind::Raw(segs.iter().map(|s| Segment { tensor: k, ..*s }).collect())
+                    }
+                    PieceKind::Coded {
+                        first_value,
+                        values,
+                        escapes,
+                        sub_escapes,
+                        sub_groups,
+                        ..
+                    } => PieceKind::Coded {
+                        tensor: k,
+                        first_value: *first_value,
+                        values: *values,
+                        escapes: *escapes,
+                        sub_escapes: sub_escapes.clone(),
+                        sub_groups: sub_groups.clone(),
+                    },
+                };
+                pieces.push(Piece {
+                    kind,
+                    src: p.src.checked_add(src).ok_or_else(wrap)?,
+                    len: p.len,
+                    dst: p.dst.checked_add(dst).ok_or_else(wrap)?,
+                });
+            }
+        }
+        spans.sort_unstable();
+        if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+            return Err(CoreError::InvalidArgument(
+                "the composed parts' buffers overlap".into(),
+            ));
+        }
+        spans.sort_unstable_by_key(|s| s.2);
+        if spans.windows(2).any(|w| w[1].2 < w[0].3 && w[0].3 > w[0].2) {
+            return Err(CoreError::InvalidArgument(
+                "the composed parts' slot ranges overlap".into(),
+            ));
+        }
+        pieces.sort_by_key(|p| p.dst);
+        Ok(CodedUnit { pieces, nbytes })
+    }
+
     /// The largest coded piece (what one landing buffer must hold), 0 without one.
     pub fn largest_coded(&self) -> usize {
         self.pieces
@@ -770,6 +831,41 @@ mod tests {
         decode_chunk(&coded, n_esc, &mut back).unwrap();
         assert_eq!(back, values);
         lay
+    }
+
+    #[test]
+    fn composed_units_move_their_pieces_and_refuse_overlaps() {
+        let one = |bf16: bool, n: usize| {
+            let spec = [TensorSpec {
+                dst: 0,
+                nbytes: 2 * n,
+                bf16,
+            }];
+            let counts = if bf16 {
+                vec![chunks(n).map(|(_, v)| vec![0; subs(v).count()]).collect()]
+            } else {
+                vec![vec![]]
+            };
+            layout_coded_unit(&spec, &counts, None, usize::MAX).unwrap()
+        };
+        let (a, b) = (one(true, CHUNK_ELEMS + 5000), one(false, 100));
+        let u = CodedUnit::compose(&[(&b, 0, 1 << 30), (&a, 256, 0)]).unwrap();
+        assert_eq!(u.nbytes, 256 + a.nbytes);
+        assert_eq!(u.pieces.len(), a.pieces.len() + b.pieces.len());
+        assert_eq!(u.out_bytes(), a.out_bytes() + b.out_bytes());
+        // slot order; each piece moved by its part's offsets, its tensor the part's index
+        assert!(u.pieces.windows(2).all(|w| w[0].dst < w[1].dst));
+        for (p, q) in u.pieces.iter().zip(&a.pieces) {
+            assert_eq!((p.src, p.dst, p.len), (q.src + 256, q.dst, q.len));
+            assert!(matches!(p.kind, PieceKind::Coded { tensor: 1, .. }));
+        }
+        let last = u.pieces.last().unwrap();
+        assert_eq!((last.src, last.dst), (b.pieces[0].src, 1 << 30));
+        assert!(matches!(&last.kind, PieceKind::Raw(segs) if segs[0].tensor == 0));
+        // buffers or slot ranges that overlap, offsets that wrap
+        assert!(CodedUnit::compose(&[(&a, 0, 0), (&b, 64, 1 << 30)]).is_err());
+        assert!(CodedUnit::compose(&[(&a, 0, 0), (&b, a.nbytes, 2)]).is_err());
+        assert!(CodedUnit::compose(&[(&a, usize::MAX - 10, 0)]).is_err());
     }
 
     #[test]

@@ -160,6 +160,19 @@ fn codec_encode_unit(
         .map_err(cuda_err)
 }
 
+/// One unit from units of one tensor each: `(unit, offset in the new buffer, offset in the slot)`
+/// (the NVMe route's side file codes tensors; a unit of any plan is composed of them).
+#[pyfunction]
+fn codec_compose(parts: Vec<(PyRef<'_, CodedUnit>, usize, usize)>) -> PyResult<CodedUnit> {
+    let refs: Vec<(&codec::CodedUnit, usize, usize)> = parts
+        .iter()
+        .map(|(u, src, dst)| (&u.inner, *src, *dst))
+        .collect();
+    codec::CodedUnit::compose(&refs)
+        .map(|inner| CodedUnit { inner })
+        .map_err(|e| ConfigError::new_err(e.to_string()))
+}
+
 /// Bytes a unit of these `(slot_offset, nbytes, is_bf16)` tensors can take coded (a buffer for
 /// `codec_encode_unit_fused`).
 #[pyfunction]
@@ -283,6 +296,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec_encode_unit, m)?)?;
     m.add_function(wrap_pyfunction!(codec_encode_unit_fused, m)?)?;
     m.add_function(wrap_pyfunction!(codec_capacity, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_compose, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_unit, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_device, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_host, m)?)?;
