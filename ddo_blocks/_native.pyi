@@ -152,6 +152,8 @@ class Transport:
         """A coded unit read from a file (the NVMe route's side file): its layout, for fetch_file_coded."""
     def fetch_file_coded(self, slot: int, dst: int, file_unit: int, coded: int, staged: int) -> None:
         """file_unit's bytes (the coded unit's) read into staged, then decoded into the slot on the copy stream."""
+    def fetch_host_coded(self, slot: int, dst: int, coded: int, host: int, staged: int) -> None:
+        """The coded unit's bytes at host copied into staged, then decoded into the slot on the copy stream."""
 
 # the lossless 12-bit code for bf16 (ddo_core::codec)
 CODEC_CHUNK_ELEMS: int

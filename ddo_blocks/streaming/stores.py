@@ -38,6 +38,7 @@ from ..routes.spec import HostMode, Preset
 from ..units import tensor_nbytes
 from . import bandwidth
 from .slabs import SlabSet
+from .slabs import _alloc as slabs_alloc
 
 READ_GAP_BYTES = 64 << 10
 """Gaps between a unit's tensors in a file up to this size are read through (one read, not two)."""
@@ -203,6 +204,9 @@ class FileStore:
         larger is read from the checkpoint as stored."""
         self.side: Any = None  # sidefile.SideFile once built
         self._staged_unit: dict[int, int] = {}  # streamed index -> the transport's staged coded unit
+        self._host_coded: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}
+        """Streamed index -> (storage, buffer, page-locking) of a RAM-cached unit kept coded."""
+        self._slab_index: dict[int, int] = {}  # streamed index -> its unit in the (uncoded) RAM cache's SlabSet
         self._side_unit: dict[int, tuple[Any, list[tuple[int, int, int]]]] = {}
         """Streamed index -> its layout from the side file's blobs and their reads (``SideFile.unit``)."""
         self.staged: torch.Tensor | None = None
@@ -236,21 +240,24 @@ class FileStore:
             self._largest_file(), threads=preset.staging_threads
         )
         self.coded_ratio = 1.0
-        """Coded over stored bytes of the streamed units (estimated until the side file is written)."""
+        """Coded over stored bytes of the disk units (estimated until the side file is written)."""
+        sizes = list(e.unit_bytes)
         if codec != "off":
             from . import coded
 
-            est = coded.coded_estimate(e.streamed, codec)
-            self.coded_ratio = sum(est) / max(1, sum(e.unit_bytes[u.index] for u in e.streamed))
+            # what a unit takes in the RAM cache and on the disk and the link: its coded estimate
+            sizes = [min(c, r) for c, r in zip(coded.coded_estimate(e.units, codec), e.unit_bytes)]
+            self.coded_ratio = (sum(sizes[u.index] for u in e.streamed)
+                                / max(1, sum(e.unit_bytes[u.index] for u in e.streamed)))
         compute = bandwidth.compute_bytes_per_s(e.device, e.link_bytes_per_s)
         self.cache_plan = _native.plan_ram_cache(
-            e.unit_bytes,
+            sizes,
             unit_compute_s=[b / compute for b in e.unit_bytes],
             resident=e.plan.resident,
             slots=max(1, e.plan.slots),
             ram_budget_bytes=ram_budget,
             link_bytes_per_s=e.link_bytes_per_s,
-            disk_bytes_per_s=self.disk_bytes_per_s / self.coded_ratio,
+            disk_bytes_per_s=self.disk_bytes_per_s,
         )
         cached = self.cache_plan.cached
         for u, unit in enumerate(e.streamed):
@@ -271,8 +278,9 @@ class FileStore:
         return max(per_file, key=lambda f: per_file[f])
 
     def _check_sources(self) -> None:
-        """Disk units are copied from the files as stored: each tensor must match its source."""
-        for u in self.disk_units:
+        """Disk units (and with a codec every streamed unit: the side file codes the checkpoint's tensors)
+        are copied from the files as stored: each tensor must match its source."""
+        for u in (range(len(self.engine.streamed)) if self.codec != "off" else self.disk_units):
             for name, p in self.engine.streamed[u].params:
                 src = self.loader.source(p)
                 if src is None:
@@ -287,25 +295,30 @@ class FileStore:
     # -- attach ------------------------------------------------------------------------------------
     def build(self) -> None:
         e = self.engine
-        if self.codec != "off" and self.disk_units:
+        if self.codec != "off" and e.streamed:
             from . import sidefile
 
             self.side = sidefile.prepare(self.loader.checkpoint, self.codec, directory=self.codec_dir)
             coded_bytes = raw_bytes = 0
-            for u in self.disk_units:
+            for u in range(len(e.streamed)):
                 unit = self.side.unit([(self.loader.source(p), off)
                                        for (_, p), off in zip(e.streamed[u].params, e.offsets[u])])
                 if unit is not None and (unit[0].nbytes <= self.staged_reserve or e.device.type != "cuda"):
                     self._side_unit[u] = unit
-                    coded_bytes += sum(n for _, n, _ in unit[1])
-                    raw_bytes += e.unit_bytes[e.streamed[u].index]
+                    if u not in self._cache_index:
+                        coded_bytes += sum(n for _, n, _ in unit[1])
+                        raw_bytes += e.unit_bytes[e.streamed[u].index]
             if raw_bytes:
                 self.coded_ratio = coded_bytes / raw_bytes
-        if self.cached_units:
+            self._cache_coded()
+        raw_cached = [unit for u, unit in enumerate(e.streamed) if u in self._cache_index and u not in self._host_coded]
+        self._slab_index = {u: i for i, u in enumerate(u for u in range(len(e.streamed))
+                                                       if u in self._cache_index and u not in self._host_coded)}
+        if raw_cached:
             pin = e.device.type == "cuda"
-            self.slabs = SlabSet(self.cached_units, pin=pin, ordinal=e.device.index or 0, keep_warm=False)
+            self.slabs = SlabSet(raw_cached, pin=pin, ordinal=e.device.index or 0, keep_warm=False)
             self.slabs.pack(self.loader)
-        for u in self.disk_units:
+        for u in [*self.disk_units, *self._host_coded]:
             views = []
             for _, p in e.streamed[u].params:
                 src = self.loader.take(p)
@@ -314,6 +327,20 @@ class FileStore:
                 p.data = hollow  # frees the unread buffer from unmeta()
                 views.append(hollow)
             self._hollow_views[u] = views
+
+    def _cache_coded(self) -> None:
+        """The RAM cache's units that the side file holds, kept coded in host memory (page-locked on a
+        GPU): read from the side file, their parameters placeholders like the disk units'."""
+        e, side = self.engine, self.side
+        for u in self._cache_index:
+            if u not in self._side_unit:
+                continue
+            layout, reads = self._side_unit[u]
+            storage, buf = slabs_alloc(layout.nbytes)
+            _native.read_file_into(side.path, [(off, n, buf.data_ptr() + at) for off, n, at in reads])
+            reg = (_native.HostRegistration(storage, buf.data_ptr(), layout.nbytes, e.device.index or 0)
+                   if e.device.type == "cuda" and layout.nbytes else None)
+            self._host_coded[u] = (storage, buf, reg)
 
     def open_transport(self, n_slots: int, slot_bytes: int, offsets: list[list[int]], copy_stream: int) -> Any:
         e, pre = self.engine, self.engine.preset
@@ -343,8 +370,9 @@ class FileStore:
                 span = max(layout.nbytes for layout, _ in self._side_unit.values())
                 self.staged = torch.empty(max(span, 1), dtype=torch.uint8, device=e.device)
                 for u, (layout, reads) in self._side_unit.items():
-                    self._file_unit[u] = transport.add_file_unit([(fid, off, n, at) for off, n, at in reads],
-                                                                 READ_GAP_BYTES)
+                    if u not in self._host_coded:  # read from the side file each call
+                        self._file_unit[u] = transport.add_file_unit(
+                            [(fid, off, n, at) for off, n, at in reads], READ_GAP_BYTES)
                     self._staged_unit[u] = transport.add_staged_unit(layout)
         except BaseException:
             transport.close()
@@ -353,17 +381,20 @@ class FileStore:
 
     # -- the pipeline ------------------------------------------------------------------------------
     def fetch(self, transport: Any, u: int, slot: int, dst: int) -> None:
-        ci = self._cache_index.get(u)
         su = self._staged_unit.get(u)
-        if su is not None:
+        hc = self._host_coded.get(u)
+        if hc is not None:
+            transport.fetch_host_coded(slot, dst, su, hc[1].data_ptr(), self.staged.data_ptr())
+        elif su is not None:
             transport.fetch_file_coded(slot, dst, self._file_unit[u], su, self.staged.data_ptr())
-        elif ci is None:
-            transport.fetch_file(slot, dst, self._file_unit[u])
-        else:
+        elif u in self._slab_index:
+            ci = self._slab_index[u]
             transport.fetch(slot, dst, self.slabs.unit_ptr(ci), self.slabs.unit_nbytes[ci])
+        else:
+            transport.fetch_file(slot, dst, self._file_unit[u])
 
     def host_views(self, u: int) -> list[torch.Tensor]:
-        ci = self._cache_index.get(u)
+        ci = self._slab_index.get(u)
         return self.slabs.host_views[ci] if ci is not None else self._hollow_views[u]
 
     def all_views(self) -> list[torch.Tensor]:
@@ -432,6 +463,10 @@ class FileStore:
     def release(self, orig_device: dict[int, torch.device], keep_warm: bool) -> None:
         self._hollow_views = {}
         self.staged = None
+        for _, _, reg in self._host_coded.values():
+            if reg is not None:
+                reg.close()
+        self._host_coded = {}
         if self.slabs is not None:
             self.slabs.release(orig_device, keep_warm=False)
             self.slabs = None
@@ -452,7 +487,10 @@ class FileStore:
     # -- report ------------------------------------------------------------------------------------
     @property
     def cached_bytes(self) -> int:
-        return sum(self.engine.unit_bytes[u.index] for u in self.cached_units)
+        """Host bytes of the RAM cache: coded where the side file holds the unit."""
+        e = self.engine
+        return sum(self._host_coded[u][1].numel() if u in self._host_coded else e.unit_bytes[e.streamed[u].index]
+                   for u in self._cache_index)
 
     @property
     def disk_bytes(self) -> int:
@@ -494,8 +532,9 @@ class FileStore:
 
     def _codec_section(self) -> dict[str, Any]:
         e, side = self.engine, self.side
-        raw = sum(e.unit_bytes[e.streamed[u].index] for u in self._side_unit)
-        coded_bytes = sum(n for _, reads in self._side_unit.values() for _, n, _ in reads)
+        disk = [u for u in self.disk_units if u in self._side_unit]
+        raw = sum(e.unit_bytes[e.streamed[u].index] for u in disk)
+        coded_bytes = sum(n for u in disk for _, n, _ in self._side_unit[u][1])
         return {
             "requested": self.requested_codec,
             "codec": self.codec,
@@ -503,8 +542,10 @@ class FileStore:
             "side_file_bytes": side.nbytes if side else 0,
             "side_file_reused": side.reused if side else None,
             "encode_s": side.encode_s if side else 0.0,
-            "coded_units": len(self._side_unit),
-            "disk_units_read_as_stored": len(self.disk_units) - len(self._side_unit),
+            "coded_units": len(disk),
+            "cached_coded_units": len(self._host_coded),
+            "cached_coded_bytes": sum(buf.numel() for _, buf, _ in self._host_coded.values()),
+            "disk_units_read_as_stored": sum(u not in self._side_unit for u in self.disk_units),
             "raw_bytes": raw,
             "coded_bytes": coded_bytes,
             "ratio": coded_bytes / raw if raw else None,

@@ -1523,6 +1523,25 @@ mod tests {
             )
         }
         .is_err());
+        // the same unit from host memory (a RAM cache of coded units), in order with the file jobs
+        let mut slot2 = vec![0u8; 141_056 + 2 * c.len()];
+        // SAFETY: `host` holds the unit's bytes, `staged` and the slot their spans; all live past
+        // the close below.
+        unsafe {
+            t.fetch_host_coded(
+                1,
+                slot2.as_mut_ptr() as usize,
+                su,
+                host.as_ptr() as usize,
+                staged.as_mut_ptr() as usize,
+            )
+        }
+        .unwrap();
+        t.acquire(1, Stream::DEFAULT).unwrap();
+        assert_eq!(words(&slot2[..2 * a.len()]), a);
+        assert_eq!(&slot2[140_032..140_032 + b.len()], &b[..]);
+        assert_eq!(words(&slot2[141_056..]), c);
+        t.release(1, Stream::DEFAULT).unwrap();
         t.close().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -361,6 +361,71 @@ impl Transport {
         Ok(())
     }
 
+    /// Starts filling `slot` (at address `dst`) with staged coded unit `coded` whose bytes are in
+    /// host memory at `host` (the NVMe route's RAM cache of coded units): copied into `staged`,
+    /// then written into the slot as [`Transport::fetch_file_coded`] does. With a staging ring the
+    /// ring's thread queues it, in order with the file jobs.
+    ///
+    /// # Safety
+    /// `host` is the coded unit's `nbytes` readable host bytes (page-locked on the GPU for an
+    /// asynchronous copy), unmodified until the fetch completed; `staged` and `dst` as for
+    /// [`Transport::fetch_file_coded`].
+    pub unsafe fn fetch_host_coded(
+        &mut self,
+        slot: usize,
+        dst: usize,
+        coded: usize,
+        host: usize,
+        staged: usize,
+    ) -> Result<()> {
+        self.errors.check()?;
+        self.check_slot(slot)?;
+        let unit = self.staged_units.get(coded).cloned().ok_or_else(|| {
+            CudaError::InvalidArgument(format!(
+                "staged coded unit {coded} out of range ({} registered)",
+                self.staged_units.len()
+            ))
+        })?;
+        let n = unit.nbytes;
+        let span = unit
+            .pieces
+            .iter()
+            .map(|p| p.dst + p.out_bytes())
+            .max()
+            .unwrap_or(0);
+        crate::host::check_host_range("coded host fetch destination", dst, span)?;
+        crate::host::check_host_range("coded host fetch source", host, n)?;
+        crate::host::check_host_range("coded host fetch staging buffer", staged, n)?;
+        let ordinal = match self.target {
+            Target::Cuda { ordinal, .. } => Some(ordinal),
+            Target::Cpu => None,
+        };
+        self.stats.fetches += 1;
+        self.stats.bytes = self.stats.bytes.saturating_add(n as u64);
+        let mut job = Job::new(
+            Source::Host { src: host, n },
+            Sink::Slot { slot, dst: staged },
+        );
+        job.post_copy = Some(Arc::new(StagedDecode {
+            unit,
+            staged,
+            out: dst,
+            ordinal,
+        }));
+        if let Some(stager) = self.stager.as_mut() {
+            self.pending[slot] = stager.submit(job)?;
+            return Ok(());
+        }
+        let _ctx = self.bind()?;
+        let copy = Span {
+            offset: 0,
+            src: host,
+            len: n,
+        };
+        // SAFETY: the caller upholds this function's contract, which is the copy's.
+        unsafe { enqueue(&*self.lane, Part::whole(&job), [copy]) }
+    }
+
     /// Gives the transport its decode ring for coded units (CUDA target): `landing` device buffers
     /// of `landing_bytes` each and the stream decodes run on.
     ///

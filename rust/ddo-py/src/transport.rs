@@ -261,6 +261,25 @@ impl Transport {
             .map_err(cuda_err)
     }
 
+    /// Starts filling `slot` at `dst` with staged coded unit `coded` from host memory at `host`
+    /// (copied into `staged`, then decoded from there on the copy stream).
+    fn fetch_host_coded(
+        &mut self,
+        py: Python<'_>,
+        slot: usize,
+        dst: usize,
+        coded: usize,
+        host: usize,
+        staged: usize,
+    ) -> PyResult<()> {
+        let t = self.get()?;
+        // SAFETY: as `fetch_file_coded`; `host` is the data pointer of the page-locked buffer
+        // streaming/stores.py filled with the unit's bytes and keeps, unmodified, until the
+        // transport is drained or closed.
+        py.detach(|| unsafe { t.fetch_host_coded(slot, dst, coded, host, staged) })
+            .map_err(cuda_err)
+    }
+
     /// Gives the transport its decode ring for coded units: `landing` device addresses of
     /// `landing_bytes` each, decodes queued on `decode_stream` (a `cuda_stream` handle).
     fn set_decoder(
