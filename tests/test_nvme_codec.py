@@ -161,16 +161,22 @@ def test_bad_codec_options(ckpt, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec,budget", [("fixed", None), ("tiered", None), ("lossless", "min")])
-def test_cuda_exact_from_the_side_file(ckpt, codec, budget):
+@pytest.mark.parametrize("codec,budget,ram", [("fixed", None, 0), ("tiered", None, 0), ("lossless", "min", 0),
+                                              ("tiered", None, "half")])
+def test_cuda_exact_from_the_side_file(ckpt, codec, budget, ram):
     """On the GPU: coded reads through the pinned ring into the device staging buffer, decoded on the
-    copy stream; exact, and the staging buffer inside the budget's reserve (``"min"`` included)."""
+    copy stream, and a RAM cache of coded units; exact, and the staging buffer inside the budget's
+    reserve (``"min"`` included)."""
     path, model, x, _ = ckpt
     ref, xc = cuda_reference(model, x)
-    handle = _load(path, model, codec, device="cuda", **({"vram_budget": budget} if budget else {}))
+    streamed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "blocks." in n)
+    ram_budget = streamed // 2 if ram == "half" else 0
+    handle = _load(path, model, codec, device="cuda", ram_budget=ram_budget, **({"vram_budget": budget} if budget else {}))
     _run(handle, xc, ref)
     sec = handle.report()["codec"]
-    assert sec["coded_units"] == 5 and 0 < sec["staging_device_bytes"] <= sec["staging_reserve_bytes"]
+    assert sec["coded_units"] + sec["cached_coded_units"] == 5
+    assert (sec["cached_coded_units"] > 0) is (ram == "half")
+    assert 0 < sec["staging_device_bytes"] <= sec["staging_reserve_bytes"]
     handle.remove()
     with torch.no_grad():
         assert torch.equal(handle.module.to("cuda")(**xc)[0], ref)
