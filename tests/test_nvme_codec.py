@@ -152,6 +152,16 @@ def test_a_checkpoint_directory_it_cannot_write_says_to_pass_codec_dir(ckpt):
     assert not list(path.glob("*.ddo-*"))
 
 
+def test_a_checkpoint_without_bf16_weights_refuses_a_codec(tmp_path):
+    from ddo_blocks.tiny import tiny_flux_transformer
+
+    model = tiny_flux_transformer(dtype=torch.float32)
+    model.save_pretrained(tmp_path / "fp32")
+    with pytest.raises(ddo_blocks.ConfigError, match="codes bf16 weights.*float32"):
+        _load(tmp_path / "fp32", model, "fixed")
+    assert not list((tmp_path / "fp32").glob("*.ddo-*"))
+
+
 def test_bad_codec_options(ckpt, tmp_path):
     path, model, _, _ = ckpt
     with pytest.raises(ddo_blocks.ConfigError, match="not a codec of the NVMe route"):

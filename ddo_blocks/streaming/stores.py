@@ -267,6 +267,11 @@ class FileStore:
             else:
                 self.disk_units.append(u)
         self._check_sources()
+        if codec != "off" and not any(p.dtype == torch.bfloat16 for u in e.streamed for _, p in u.params):
+            raise ConfigError(
+                f"codec={codec!r} codes bf16 weights, and the streamed weights of this checkpoint are "
+                f"{sorted({str(p.dtype) for u in e.streamed for _, p in u.params})}: pass codec='off'"
+            )
 
     def _largest_file(self) -> Path:
         per_file: dict[Path, int] = defaultdict(int)
