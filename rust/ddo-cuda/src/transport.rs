@@ -291,6 +291,34 @@ impl Transport {
         Ok(self.staged_units.len() - 1)
     }
 
+    /// The stage that writes staged coded unit `coded` from `staged` into the slot at `dst`, once
+    /// `dst` was checked to hold the unit's output span.
+    fn staged_decode(&self, coded: usize, dst: usize, staged: usize) -> Result<StagedDecode> {
+        let unit = self.staged_units.get(coded).cloned().ok_or_else(|| {
+            CudaError::InvalidArgument(format!(
+                "staged coded unit {coded} out of range ({} registered)",
+                self.staged_units.len()
+            ))
+        })?;
+        let span = unit
+            .pieces
+            .iter()
+            .map(|p| p.dst + p.out_bytes())
+            .max()
+            .unwrap_or(0);
+        crate::host::check_host_range("coded fetch destination", dst, span)?;
+        let ordinal = match self.target {
+            Target::Cuda { ordinal, .. } => Some(ordinal),
+            Target::Cpu => None,
+        };
+        Ok(StagedDecode {
+            unit,
+            staged,
+            out: dst,
+            ordinal,
+        })
+    }
+
     /// Starts filling `slot` (at address `dst`) with staged coded unit `coded`, whose bytes file
     /// unit `file_unit` reads (through the staging ring) into `staged`; the copy stream then
     /// writes the unit's pieces into the slot: raw pieces copied, chunks decoded
@@ -318,30 +346,14 @@ impl Transport {
                 self.file_units.len()
             ))
         })?;
-        let unit = self.staged_units.get(coded).cloned().ok_or_else(|| {
-            CudaError::InvalidArgument(format!(
-                "staged coded unit {coded} out of range ({} registered)",
-                self.staged_units.len()
-            ))
-        })?;
-        if fu.span < unit.nbytes {
+        let stage = self.staged_decode(coded, dst, staged)?;
+        if fu.span < stage.unit.nbytes {
             return Err(CudaError::InvalidArgument(format!(
                 "file unit {file_unit} reads {} bytes, and staged coded unit {coded} needs {}",
-                fu.span, unit.nbytes
+                fu.span, stage.unit.nbytes
             )));
         }
-        let span = unit
-            .pieces
-            .iter()
-            .map(|p| p.dst + p.out_bytes())
-            .max()
-            .unwrap_or(0);
-        crate::host::check_host_range("coded file fetch destination", dst, span)?;
         crate::host::check_host_range("coded file staging buffer", staged, fu.span)?;
-        let ordinal = match self.target {
-            Target::Cuda { ordinal, .. } => Some(ordinal),
-            Target::Cpu => None,
-        };
         let stager = self.stager.as_mut().ok_or_else(|| {
             CudaError::InvalidArgument("units read from files need a staging ring".into())
         })?;
@@ -351,12 +363,7 @@ impl Transport {
         self.stats.disk_bytes = self.stats.disk_bytes.saturating_add(fu.read_bytes);
         // the copies land at `staged` (the sink's address); the slot's events order the job
         let mut job = Job::new(Source::File(fu), Sink::Slot { slot, dst: staged });
-        job.post_copy = Some(Arc::new(StagedDecode {
-            unit,
-            staged,
-            out: dst,
-            ordinal,
-        }));
+        job.post_copy = Some(Arc::new(stage));
         self.pending[slot] = stager.submit(job)?;
         Ok(())
     }
@@ -380,38 +387,17 @@ impl Transport {
     ) -> Result<()> {
         self.errors.check()?;
         self.check_slot(slot)?;
-        let unit = self.staged_units.get(coded).cloned().ok_or_else(|| {
-            CudaError::InvalidArgument(format!(
-                "staged coded unit {coded} out of range ({} registered)",
-                self.staged_units.len()
-            ))
-        })?;
-        let n = unit.nbytes;
-        let span = unit
-            .pieces
-            .iter()
-            .map(|p| p.dst + p.out_bytes())
-            .max()
-            .unwrap_or(0);
-        crate::host::check_host_range("coded host fetch destination", dst, span)?;
+        let stage = self.staged_decode(coded, dst, staged)?;
+        let n = stage.unit.nbytes;
         crate::host::check_host_range("coded host fetch source", host, n)?;
         crate::host::check_host_range("coded host fetch staging buffer", staged, n)?;
-        let ordinal = match self.target {
-            Target::Cuda { ordinal, .. } => Some(ordinal),
-            Target::Cpu => None,
-        };
         self.stats.fetches += 1;
         self.stats.bytes = self.stats.bytes.saturating_add(n as u64);
         let mut job = Job::new(
             Source::Host { src: host, n },
             Sink::Slot { slot, dst: staged },
         );
-        job.post_copy = Some(Arc::new(StagedDecode {
-            unit,
-            staged,
-            out: dst,
-            ordinal,
-        }));
+        job.post_copy = Some(Arc::new(stage));
         if let Some(stager) = self.stager.as_mut() {
             self.pending[slot] = stager.submit(job)?;
             return Ok(());
