@@ -635,10 +635,10 @@ def decode_rate(device: torch.device, codec: str) -> float | None:
     (:func:`_synthetic_chunk`) after its output was checked bit for bit against the reference
     decoder's (a difference is a :class:`DdoError`): the kernel alone on the idle device, and its
     added time beside a GEMM load with the decodes on a high-priority stream, as in a step
-    (:func:`_time_decode`); the slower of the two (both in :data:`DECODE_RATES`). Timed alone, the
-    two-tier kernel (528 GB/s on an H200) predicted a Flux-sized step at 8 GiB of 0.210 s that ran
-    0.248-0.250 s, its cost beside the model's kernels about 2.3 times the isolated one, while
-    ``fixed`` was predicted to within 1%. ``None`` for ``off``."""
+    (:func:`_time_decode`); the slower of the two (both in :data:`DECODE_RATES`), so that a device
+    where the decode does cost more beside the model's kernels is planned with that. On the H200 it
+    does not (2026-12-02: ``fixed`` 976 GB/s alone, 1953 beside the load; ``tiered`` 492 and 521):
+    there the rate alone is weighed. ``None`` for ``off``."""
     if codec not in CODES:
         return None
     key = (str(device), codec)
