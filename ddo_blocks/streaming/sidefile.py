@@ -249,5 +249,8 @@ def reserve_bytes(module: torch.nn.Module, codec: str, device: torch.device) -> 
         return 0
     from ..units import split_units
 
-    est = max((coded.coded_estimate([u], nvme_codec(codec, device))[0] for u in split_units(module)[0]), default=0)
+    code = nvme_codec(codec, device)
+    # a unit's staging buffer holds its tensors' blobs, each starting at a multiple of BLOB_ALIGN
+    est = max((sum(-(-n // BLOB_ALIGN) * BLOB_ALIGN for n in coded.coded_estimate([[p] for _, p in u.params], code))
+               for u in split_units(module)[0]), default=0)
     return -(-int(est * (1 + RESERVE_SLACK)) // ALIGN) * ALIGN
