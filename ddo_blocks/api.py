@@ -33,7 +33,9 @@ LOSSLESS_TIE = 1e-6
 LOSSLESS_REPLAN_GAIN = 0.02
 """``codec="lossless"`` attaches again after the second call when the compute it measured makes
 another coding (codec, or fraction of the units coded) predicted this much faster; one that codes
-fewer units, when it is predicted at least as fast (the decode shares the SMs with the model)."""
+fewer units, when it is predicted at least as fast (the decode shares the SMs with the model); the
+same coding in another plan (slots, resident units), when predicted :data:`REPLAN_MIN_GAIN` faster
+(as ``replan()``)."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -219,11 +221,17 @@ class OffloadHandle:
                     measured_coded_fraction=better["coded_fraction"], predicted_gain=better["gain"],
                     measured_candidates_s=better["candidates_s"])
         if engine.same_coding(chosen) or not coded_now and not coded_new:
-            note["replan"] = "kept: the measured compute chooses the same coding"
-            return
-        # coding more must pay for the re-build; coding less (decode the model's SMs do not need) must
-        # only not be predicted slower
-        need = 0.0 if sum(chosen.coded or ()) < sum(now_coded) else LOSSLESS_REPLAN_GAIN
+            # the same coding in another plan (slots, resident set), as replan() would attach it
+            if better["same_plan"] or better["gain"] is None or better["gain"] < REPLAN_MIN_GAIN:
+                note["replan"] = ("kept: the measured compute chooses the same coding and plan" if better["same_plan"]
+                                  else f"kept: the measured compute chooses the same coding, in a plan predicted "
+                                       f"less than {REPLAN_MIN_GAIN:.0%} faster")
+                return
+            need = REPLAN_MIN_GAIN
+        else:
+            # coding more must pay for the re-build; coding less (decode the model's SMs do not need)
+            # must only not be predicted slower
+            need = 0.0 if sum(chosen.coded or ()) < sum(now_coded) else LOSSLESS_REPLAN_GAIN
         if better["gain"] is None or better["gain"] < need or abs(better["gain"]) < LOSSLESS_TIE:
             note["replan"] = (f"kept: the measured choice is predicted less than {need:.0%} faster" if need else
                               "kept: coding less is not predicted faster")
@@ -234,8 +242,9 @@ class OffloadHandle:
             note["replan"] = f"failed ({failed}); the prior's choice was attached again"
             log.warning("ddo_blocks: %s: codec='lossless' re-plan failed (%s)", self.component, failed)
             return
-        note["replan"] = (f"re-planned after the second call: {now_codec if coded_now else 'off'} -> "
-                          f"{new_codec if coded_new else 'off'}, predicted {better['gain']:.1%} faster")
+        moved = (f"{now_codec if coded_now else 'off'} -> {new_codec if coded_new else 'off'}" if need != REPLAN_MIN_GAIN
+                 else f"the same coding in a plan of {better['slots']} slots and {better['resident_units']} resident units")
+        note["replan"] = f"re-planned after the second call: {moved}, predicted {better['gain']:.1%} faster"
         note["replan_s"] = time.perf_counter() - t0
         log.info("ddo_blocks: %s: codec='lossless' %s", self.component, note["replan"])
 

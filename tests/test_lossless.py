@@ -127,6 +127,44 @@ def test_the_second_call_keeps_a_choice_the_measurement_confirms(monkeypatch):
     handle.remove()
 
 
+@pytest.mark.parametrize("gain", [0.03, 0.10])
+def test_the_same_coding_in_a_plan_predicted_5_percent_faster_is_attached(monkeypatch, gain):
+    """The prior's plan can stream units with no compute to hide their copy (Flux's modulation
+    linears): the measured compute then keeps the coding but moves the resident set and slots. That
+    plan is attached when predicted REPLAN_MIN_GAIN faster, as ``replan()`` would (the simulator's
+    output is forced here: the tiny model's measured plan is its prior's)."""
+    from ddo_blocks.streaming.engine import StreamingEngine
+
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.05")
+    _rates(monkeypatch, {"fixed": 1e15, "tiered": 1e15})
+    real = StreamingEngine.measured_plan
+
+    def faster(self):
+        found = real(self)
+        return found and {**found, "same_plan": False, "gain": gain}
+
+    monkeypatch.setattr(StreamingEngine, "measured_plan", faster)
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="lossless")
+    first = handle.engine
+    for _ in range(2):
+        assert torch.equal(_ref(model, x), ref)
+    c = handle.report()["codec"]
+    if gain < ddo_blocks.api.REPLAN_MIN_GAIN:
+        assert handle.engine is first and c["replan"].startswith("kept: the measured compute chooses the same coding, "
+                                                                 "in a plan predicted less than 5% faster"), c
+    else:
+        assert handle.engine is not first and handle.engine.store.codec == "tiered"
+        assert c["replan"].startswith("re-planned after the second call: the same coding in a plan of"), c
+    engine = handle.engine
+    for _ in range(2):
+        assert torch.equal(_ref(model, x), ref)
+    assert handle.engine is engine  # once
+    handle.remove()
+
+
 def test_lossless_is_refused_where_it_cannot_choose():
     model = bf16_flux()
     snap = snapshot(model)
