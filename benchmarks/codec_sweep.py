@@ -12,7 +12,9 @@ uncompressed row's budget plus its landing buffers (the same plan, as ``benchmar
 Per row: the step (median of ``--repeats`` after three warm-up calls: the order, the calibration,
 one steady call), the link bytes per call, the roofline ``max(resident step, streamed / link)`` and
 the compressed bound ``max(link bytes / link, resident step + decoded bytes / decode rate)`` (the
-link: the faster of two pinned-copy probes, both recorded), the
+link: the faster of two pinned-copy probes, both recorded); on CUDA a second bound with the decode
+as the model's kernels see it, ``max(link bytes / link, resident step + what the row's decodes add
+to the resident forward)`` (``benchmarks.decode_in_model``; ``--no-decode-in-model`` skips it); the
 setup, and whether the output is ``torch.equal`` to the resident one. Writes ``codec_sweep.json``,
 ``codec_sweep.md`` and ``codec_sweep.png`` (``--replot JSON`` draws the plot of an earlier run). Needs CUDA (``--device cpu`` runs the same rows on a tiny model: a dry run).
 """
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--no-decode-in-model", action="store_true",
+                   help="skip the second bound: each coded row's decodes timed beside the resident forward")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--replot", type=Path, default=None,
                    help="draw codec_sweep.png from an earlier run's codec_sweep.json (next to it) and stop")
@@ -151,6 +155,17 @@ def main(argv: list[str] | None = None) -> int:
         return resident[resolution]
 
     resident_s, ref = resident_at(args.resolution)
+
+    def in_model(codec: str, decoded_bytes: float) -> dict[str, Any]:
+        """The row's decodes timed beside the resident forward (``benchmarks.decode_in_model``)."""
+        from .decode_in_model import resident_with_decodes
+
+        model.to(dev)
+        try:
+            return resident_with_decodes(model, x, dev, codec, int(decoded_bytes), repeats=args.repeats)
+        finally:
+            model.to("cpu")
+            torch.cuda.empty_cache()
     # two probes of the pinned link: 1 GiB copies from torch's pinned memory, and the planner's own
     # (the engine's page-locked memory); on some lent machines the first read 4-8 % under what the
     # uncompressed route then moved, so the roofline takes the faster
@@ -230,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
             handle.remove()
             handle = None
             row["remove_s"] = time.perf_counter() - t
+            if link and row["decode_s"] and not args.no_decode_in_model:
+                try:
+                    row["in_model"] = in_model(row["chosen_codec"], row["decode_s"] * row["decode_gb_s"] * 1e9)
+                except Exception as exc:  # noqa: BLE001 - the row keeps its step
+                    row["in_model"] = {"error": f"{type(exc).__name__}: {exc}"[:300], "added_s": 0.0}
+                if row["in_model"]["added_s"] > 0:
+                    row["bound_in_model_s"] = max(link_bytes / link, resident_s + row["in_model"]["added_s"])
+                    row["step_per_bound_in_model"] = row["step_s"] / row["bound_in_model_s"]
         except Exception as exc:  # noqa: BLE001 - a row that fails is a row that says why
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         finally:
@@ -245,19 +268,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r.get("chosen"):
             r["codec_label"] = f"lossless -> {r['chosen_codec']}"
-    lines = ["| budget | codec | ring | slots | step s | / uncompressed | / roofline | / compressed bound | link GB/call "
-             "| setup s | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| budget | codec | ring | slots | step s | / uncompressed | / roofline | / compressed bound "
+             "| / bound, decode in model | link GB/call | setup s | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("replan"):
             r["codec_label"] = f"{r['codec']}+replan ({'re-planned' if r.get('replanned') else 'plan kept'})"
         if "error" in r:
-            lines.append(f"| {r['budget']} | {r['codec']} | {r['ring']} | - | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['budget']} | {r['codec']} | {r['ring']} | - | error: {r['error']} | | | | | | | |")
             continue
         base = uncompressed.get(r["budget"])
         lines.append(
             f"| {r['budget']} | {r.get('codec_label', r['codec'])} | {r['ring']} ({r.get('landing_buffers') or 0}) | {r.get('slots')} "
             f"| {r['step_s']:.4f} | {r['step_s'] / base:.3f} | {r.get('step_per_roofline', float('nan')):.3f} "
-            f"| {r.get('step_per_bound', float('nan')):.3f} | {r['link_bytes'] / 1e9:.2f} | {r['setup_s']:.1f} "
+            f"| {r.get('step_per_bound', float('nan')):.3f} | {r.get('step_per_bound_in_model', float('nan')):.3f} "
+            f"| {r['link_bytes'] / 1e9:.2f} | {r['setup_s']:.1f} "
             f"| {r['exact']} |" if base else f"| {r['budget']} | {r['codec']} | {r['ring']} | {r['step_s']:.4f} |")
     table = "\n".join(lines)
     print(table)
