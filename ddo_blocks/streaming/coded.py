@@ -447,8 +447,13 @@ class CodedSlabs(InMemoryStore):
         mask = self.mask  # a plan may code fewer units than shrink
         freeing: list[Future] = []
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="ddo-free") as freer, _progress(
+                max_workers=1, thread_name_prefix="ddo-free") as freer, ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ddo-rate") as timer, _progress(
                 total, "coding", quiet=e.loader is not None) as bar:
+            # the decode rate (once per process: the kernel's compile, its check on a synthetic chunk and
+            # its timing, some 0.5 s) is measured on the idle GPU while the host codes the weights
+            rating = (timer.submit(decode_rate, e.device, self.codec)
+                      if self.pin and any(mask) and (str(e.device), self.codec) not in _DECODE_RATE else None)
             try:
                 for u, unit in enumerate(e.streamed):
                     tick = time.perf_counter()
@@ -491,6 +496,9 @@ class CodedSlabs(InMemoryStore):
             finally:
                 tick = time.perf_counter()
                 errors = []
+                if rating is not None and rating.exception() is not None:
+                    # measured again, and its error raised, when the transport opens (_check_decoder)
+                    log.debug("ddo_blocks: decode rate beside the coding failed: %s", rating.exception())
                 for u, f in pinning:
                     try:
                         self.registrations[u] = f.result()
@@ -714,6 +722,12 @@ LOAD_TIMES = 5.0
 """The load runs about this many times as long as its decodes alone, as a step's compute does more
 than its decodes (so that the decodes run beside matmuls, not after them)."""
 
+GATE_CYCLES = 10_000_000
+"""A spin kernel of this many GPU cycles (about 5 ms) holds the stream before each timed batch of
+:func:`_time_decode`, so that the launches are all queued before the first event: the rate is
+measured while the host codes the weights (``CodedSlabs.build``), on a thread that may wait for a
+core."""
+
 RATE_REPEATS = 3
 """How many times the load alone, the load with the decodes and the decodes alone are each timed;
 the medians are kept. With a load of about ``LOAD_TIMES * LOAD_DECODE_S`` (20 ms) that is some
@@ -731,6 +745,9 @@ def _time_decode(device: torch.device, stream: torch.cuda.Stream, run: Any,
 
     def seconds(fn: Any) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        gate = getattr(torch.cuda, "_sleep", None)
+        if gate is not None:  # the stream held while all is queued: a host busy coding cannot stretch it
+            gate(GATE_CYCLES)
         start.record(stream)
         fn()
         end.record(stream)
