@@ -645,8 +645,9 @@ def decode_rate(device: torch.device, codec: str) -> float | None:
     added time beside a GEMM load with the decodes on a high-priority stream, as in a step
     (:func:`_time_decode`); the slower of the two (both in :data:`DECODE_RATES`), so that a device
     where the decode does cost more beside the model's kernels is planned with that. On the H200 it
-    does not (2026-12-02: ``fixed`` 976 GB/s alone, 1953 beside the load; ``tiered`` 492 and 521):
-    there the rate alone is weighed. ``None`` for ``off``."""
+    does not (2026-12-03, each batch gated: ``fixed`` 1500 GB/s alone, 1830 beside the load;
+    ``tiered`` 533 and 656): there the rate alone is weighed. The first coded attach of a process
+    measures it while the host codes the weights (``CodedSlabs.build``). ``None`` for ``off``."""
     if codec not in CODES:
         return None
     key = (str(device), codec)
