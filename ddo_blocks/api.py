@@ -220,7 +220,8 @@ class OffloadHandle:
         note.update(measured_choice=new_codec if coded_new else "off",
                     measured_coded_fraction=better["coded_fraction"], predicted_gain=better["gain"],
                     measured_candidates_s=better["candidates_s"])
-        if engine.same_coding(chosen) or not coded_now and not coded_new:
+        same = engine.same_coding(chosen) or not coded_now and not coded_new
+        if same:
             # the same coding in another plan (slots, resident set), as replan() would attach it
             if better["same_plan"] or better["gain"] is None or better["gain"] < REPLAN_MIN_GAIN:
                 note["replan"] = ("kept: the measured compute chooses the same coding and plan" if better["same_plan"]
@@ -242,8 +243,8 @@ class OffloadHandle:
             note["replan"] = f"failed ({failed}); the prior's choice was attached again"
             log.warning("ddo_blocks: %s: codec='lossless' re-plan failed (%s)", self.component, failed)
             return
-        moved = (f"{now_codec if coded_now else 'off'} -> {new_codec if coded_new else 'off'}" if need != REPLAN_MIN_GAIN
-                 else f"the same coding in a plan of {better['slots']} slots and {better['resident_units']} resident units")
+        moved = (f"the same coding in a plan of {better['slots']} slots and {better['resident_units']} resident units"
+                 if same else f"{now_codec if coded_now else 'off'} -> {new_codec if coded_new else 'off'}")
         note["replan"] = f"re-planned after the second call: {moved}, predicted {better['gain']:.1%} faster"
         note["replan_s"] = time.perf_counter() - t0
         log.info("ddo_blocks: %s: codec='lossless' %s", self.component, note["replan"])
