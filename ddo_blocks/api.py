@@ -34,8 +34,8 @@ LOSSLESS_REPLAN_GAIN = 0.02
 """``codec="lossless"`` attaches again after the second call when the compute it measured makes
 another coding (codec, or fraction of the units coded) predicted this much faster; one that codes
 fewer units, when it is predicted at least as fast (the decode shares the SMs with the model); the
-same coding in another plan (slots, resident units), when predicted :data:`REPLAN_MIN_GAIN` faster
-(as ``replan()``)."""
+same coding in another plan (slots, resident units), when it codes and that is predicted
+:data:`REPLAN_MIN_GAIN` faster (as ``replan()``)."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -222,8 +222,11 @@ class OffloadHandle:
                     measured_candidates_s=better["candidates_s"])
         same = engine.same_coding(chosen) or not coded_now and not coded_new
         if same:
-            # the same coding in another plan (slots, resident set), as replan() would attach it
-            if better["same_plan"] or better["gain"] is None or better["gain"] < REPLAN_MIN_GAIN:
+            # the same coding in another plan (slots, resident set), as replan() would attach it: where
+            # it codes (the prior plans a coded store's units from their bytes, with the landing
+            # buffers' reserve; the uncompressed plan is replan()'s business, as with codec="off")
+            if (not coded_now or better["same_plan"] or better["gain"] is None
+                    or better["gain"] < REPLAN_MIN_GAIN):
                 note["replan"] = ("kept: the measured compute chooses the same coding and plan" if better["same_plan"]
                                   else f"kept: the measured compute chooses the same coding, in a plan predicted "
                                        f"less than {REPLAN_MIN_GAIN:.0%} faster")

@@ -119,6 +119,28 @@ pub fn link_bytes(unit: &CodedUnit, batches: &[Batch]) -> usize {
     direct + batches.iter().map(|b| b.len).sum::<usize>()
 }
 
+/// Where in a ring of `ring` landing buffers the next batch of `buffers` buffers lands, the ring
+/// turning from `next` (where the previous batch ended): `next` when the batch fits before the
+/// ring's end, else its start (the buffers skipped at the end wait for the next turn). Returns
+/// `(first buffer, next)`, or `None` for an empty batch or one larger than the ring.
+///
+/// Batches take only the buffers they fill, so a ring holds as many batches in flight as fit in
+/// it: a copy waits only for the decodes of the buffers it overwrites. (Until 2026-12-03 each batch
+/// took a half of the ring, so two batches were in flight whatever their sizes: at 8 GiB Flux's
+/// streamed child units, 4-9 buffers each, had two units of a 35-buffer ring in flight, and a
+/// 64-buffer ring ran no faster than 35.)
+pub fn ring_place(next: usize, buffers: usize, ring: usize) -> Option<(usize, usize)> {
+    if buffers == 0 || buffers > ring {
+        return None;
+    }
+    let first = if next.checked_add(buffers)? <= ring {
+        next
+    } else {
+        0
+    };
+    Some((first, (first + buffers) % ring))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -228,5 +250,55 @@ mod tests {
         assert!(landing_batches(&unit(vec![raw(0, 10)]), 256, 4)
             .unwrap()
             .is_empty());
+    }
+    #[test]
+    fn the_ring_holds_as_many_batches_as_fit_each_in_buffers_of_its_own() {
+        // a 35-buffer ring, units of 6 buffers: five in flight before a buffer is reused
+        let (mut next, mut placed) = (0, vec![]);
+        for _ in 0..7 {
+            let (first, n) = ring_place(next, 6, 35).unwrap();
+            placed.push(first);
+            next = n;
+        }
+        // 30..35 skipped: a batch is contiguous
+        assert_eq!(placed, vec![0, 6, 12, 18, 24, 0, 6]);
+        // every placement lies inside the ring, for any size and start
+        for ring in 1..40 {
+            for buffers in 1..=ring {
+                for next in 0..ring {
+                    let (first, n) = ring_place(next, buffers, ring).unwrap();
+                    assert!(first + buffers <= ring && n < ring);
+                    assert!(first == next || first == 0);
+                }
+            }
+        }
+        // a batch that fills the ring, and the cases it refuses
+        assert_eq!(ring_place(3, 35, 35), Some((0, 0)));
+        assert_eq!(ring_place(0, 36, 35), None);
+        assert_eq!(ring_place(0, 0, 35), None);
+        assert_eq!(ring_place(usize::MAX, 1, 35), None);
+    }
+
+    #[test]
+    fn a_batch_overwrites_no_buffer_of_the_batches_placed_since_the_ring_last_came_round() {
+        // mixed sizes: each batch is disjoint from every batch placed after the ring's last turn
+        // began (those are the ones still in flight whose decodes the copy does not wait for)
+        let sizes = [4, 9, 17, 6, 6, 1, 17, 9, 4, 35, 2, 8, 30, 5];
+        let ring = 35;
+        let (mut next, mut turn): (usize, Vec<(usize, usize)>) = (0, vec![]);
+        for &b in &sizes {
+            let (first, n) = ring_place(next, b, ring).unwrap();
+            if first == 0 {
+                turn.clear(); // a new turn: the earlier batches' buffers are reused in order
+            }
+            for &(f, l) in &turn {
+                assert!(
+                    first + b <= f || f + l <= first,
+                    "[{first}, +{b}) overlaps [{f}, +{l})"
+                );
+            }
+            turn.push((first, b));
+            next = n;
+        }
     }
 }

@@ -874,7 +874,7 @@ pub(crate) struct DecodeRing {
     landing: Vec<usize>,
     landing_bytes: usize,
     /// Most landing buffers one batch of chunks fills (`ddo_core::landing`): half the ring where
-    /// its buffers are consecutive in memory (two batches in flight), else one.
+    /// its buffers are consecutive in memory (at least two batches in flight), else one.
     batch_buffers: usize,
     landed: Vec<Event>,
     decoded: Vec<Event>,
@@ -1038,22 +1038,20 @@ impl DecodeStage {
                     wait(ring.decode_stream)?; // no decode writes the slot before its release
                 }
             }
-            // A batch of several buffers takes a half of the ring, the halves in turn (two batches
-            // in flight, whatever their sizes); one buffer a batch turns through the whole ring.
-            let k = *next;
-            *next = if ring.batch_buffers > 1 {
-                (k + ring.batch_buffers) % (2 * ring.batch_buffers)
-            } else {
-                (k + 1) % n
-            };
-            // made for this ring at registration (it is set once, before the units); checked
-            // anyway, as the copy below writes device memory
-            if k + batch.buffers > n || batch.len > batch.buffers * ring.landing_bytes {
+            // A batch takes the buffers it fills, the ring turning (`ddo_core::landing::ring_place`):
+            // as many batches in flight as fit, each copy waiting only for the decodes of the buffers
+            // it overwrites. Made for this ring at registration (batches of at most half of it);
+            // checked anyway, as the copy below writes device memory.
+            let placed = ddo_core::landing::ring_place(*next, batch.buffers, n);
+            let Some((k, after)) =
+                placed.filter(|_| batch.len <= batch.buffers * ring.landing_bytes)
+            else {
                 return Err(CudaError::InvalidArgument(format!(
-                    "a batch of {} bytes in {} landing buffers from buffer {k} does not fit the ring of {n} of {} bytes",
+                    "a batch of {} bytes in {} landing buffers does not fit the ring of {n} of {} bytes",
                     batch.len, batch.buffers, ring.landing_bytes
                 )));
-            }
+            };
+            *next = after;
             let used = k..k + batch.buffers;
             for b in used.clone() {
                 ring.decoded[b].wait_on(stream)?;
