@@ -225,11 +225,16 @@ class OffloadHandle:
             # the same coding in another plan (slots, resident set), as replan() would attach it: where
             # it codes (the prior plans a coded store's units from their bytes, with the landing
             # buffers' reserve; the uncompressed plan is replan()'s business, as with codec="off")
-            if (not coded_now or better["same_plan"] or better["gain"] is None
-                    or better["gain"] < REPLAN_MIN_GAIN):
-                note["replan"] = ("kept: the measured compute chooses the same coding and plan" if better["same_plan"]
-                                  else f"kept: the measured compute chooses the same coding, in a plan predicted "
-                                       f"less than {REPLAN_MIN_GAIN:.0%} faster")
+            if better["same_plan"]:
+                note["replan"] = "kept: the measured compute chooses the same coding and plan"
+                return
+            if not coded_now:
+                note["replan"] = ("kept: nothing is coded, and the measured compute codes nothing (another plan of the "
+                                  "uncompressed units is replan()'s)")
+                return
+            if better["gain"] is None or better["gain"] < REPLAN_MIN_GAIN:
+                note["replan"] = (f"kept: the measured compute chooses the same coding, in a plan predicted less than "
+                                  f"{REPLAN_MIN_GAIN:.0%} faster")
                 return
             need = REPLAN_MIN_GAIN
         else:
@@ -246,7 +251,8 @@ class OffloadHandle:
             note["replan"] = f"failed ({failed}); the prior's choice was attached again"
             log.warning("ddo_blocks: %s: codec='lossless' re-plan failed (%s)", self.component, failed)
             return
-        moved = (f"the same coding in a plan of {better['slots']} slots and {better['resident_units']} resident units"
+        attached = self.engine.plan
+        moved = (f"the same coding in a plan of {attached.slots} slots and {sum(attached.resident)} resident units"
                  if same else f"{now_codec if coded_now else 'off'} -> {new_codec if coded_new else 'off'}")
         note["replan"] = f"re-planned after the second call: {moved}, predicted {better['gain']:.1%} faster"
         note["replan_s"] = time.perf_counter() - t0

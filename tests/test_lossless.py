@@ -104,7 +104,9 @@ def test_the_second_call_re_plans_once_to_no_code_when_the_decode_does_not_pay(m
 
 
 def test_the_second_call_keeps_a_choice_the_measurement_confirms(monkeypatch):
-    monkeypatch.setenv("DDO_LINK_GBPS", "0.05")
+    # a link so slow (0.3 s a call for this model) that no measured compute, even under load, makes
+    # coding fewer bytes look slower
+    monkeypatch.setenv("DDO_LINK_GBPS", "0.001")
     _rates(monkeypatch, {"fixed": 1e15, "tiered": 1e15})
     model = bf16_flux()
     x = flux_inputs(model)
@@ -126,7 +128,8 @@ def test_the_second_call_keeps_a_choice_the_measurement_confirms(monkeypatch):
     c = handle.report()["codec"]
     # the coding is confirmed; the plan may move (the CPU's measured compute of a tiny model is noise
     # under load, and the same coding in a plan predicted 5 % faster is attached)
-    assert handle.engine.store.codec == "tiered" and handle.engine.coded_now() == first.coded_now(), c
+    assert getattr(handle.engine.store, "codec", "off") == "tiered", c
+    assert handle.engine.coded_now() == first.coded_now() and c["measured_choice"] == "tiered", c
     assert c["replan"].startswith(("kept", "re-planned after the second call: the same coding")), c
     # every candidate, predicted with the measured compute
     assert set(c["measured_candidates_s"]) == {"off", *(f"{k} {q}/4" for k in coded.CODES for q in range(1, 5))}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -435,7 +436,7 @@ class CodedSlabs(InMemoryStore):
     def build(self) -> None:
         e = self.engine
         t0 = time.perf_counter()
-        clock = self.phase_s = dict.fromkeys(("read", "alloc", "encode", "pin_wait"), 0.0)
+        clock = self.phase_s = dict.fromkeys(("read", "alloc", "encode", "pin_wait", "rate_wait"), 0.0)
 
         def lap(phase: str, since: float) -> float:
             now = time.perf_counter()
@@ -451,9 +452,12 @@ class CodedSlabs(InMemoryStore):
                 max_workers=1, thread_name_prefix="ddo-rate") as timer, _progress(
                 total, "coding", quiet=e.loader is not None) as bar:
             # the decode rate (once per process: the kernel's compile, its check on a synthetic chunk and
-            # its timing, some 0.5 s) is measured on the idle GPU while the host codes the weights
+            # its timing, some 0.5 s) is measured on a stream of its own while the host codes the weights,
+            # unless the weights are on the GPU (their copies to the host would run beside its timing)
+            on_gpu = any(p.device.type == "cuda" for unit in e.streamed for _, p in unit.params)
             rating = (timer.submit(decode_rate, e.device, self.codec)
-                      if self.pin and any(mask) and (str(e.device), self.codec) not in _DECODE_RATE else None)
+                      if self.pin and any(mask) and not on_gpu and (str(e.device), self.codec) not in _DECODE_RATE
+                      else None)
             try:
                 for u, unit in enumerate(e.streamed):
                     tick = time.perf_counter()
@@ -496,15 +500,15 @@ class CodedSlabs(InMemoryStore):
             finally:
                 tick = time.perf_counter()
                 errors = []
-                if rating is not None and rating.exception() is not None:
-                    # measured again, and its error raised, when the transport opens (_check_decoder)
-                    log.debug("ddo_blocks: decode rate beside the coding failed: %s", rating.exception())
                 for u, f in pinning:
                     try:
                         self.registrations[u] = f.result()
                     except DdoError as exc:
                         errors.append(exc)
-                lap("pin_wait", tick)
+                tick = lap("pin_wait", tick)
+                if rating is not None and rating.exception() is not None:
+                    errors.append(rating.exception())  # the measurement's error, as the transport's would be
+                lap("rate_wait", tick)
                 if errors:
                     raise errors[0]
         self.encode_s = time.perf_counter() - t0
@@ -646,16 +650,21 @@ def decode_rate(device: torch.device, codec: str) -> float | None:
     (:func:`_time_decode`); the slower of the two (both in :data:`DECODE_RATES`), so that a device
     where the decode does cost more beside the model's kernels is planned with that. On the H200 it
     does not (2026-12-03, each batch gated: ``fixed`` 1500 GB/s alone, 1830 beside the load;
-    ``tiered`` 533 and 656): there the rate alone is weighed. The first coded attach of a process
-    measures it while the host codes the weights (``CodedSlabs.build``). ``None`` for ``off``."""
+    ``tiered`` 533 and 656): there the rate alone is weighed. One measurement at a time, on a stream
+    of its own; ``CodedSlabs.build`` (``fixed``, ``tiered``) runs it while the host codes the weights.
+    ``None`` for ``off``."""
     if codec not in CODES:
         return None
     key = (str(device), codec)
-    if key not in _DECODE_RATE:
-        rates = _check_chunk(device, codec, *_synthetic_chunk(codec), timed=True)
-        DECODE_RATES[key] = rates or {"alone": None, "under_load": None, "planning": None}
-        _DECODE_RATE[key] = DECODE_RATES[key]["planning"]
-    return _DECODE_RATE[key]
+    with _RATE_LOCK:  # one measurement at a time: two at once would each time the other's load
+        if key not in _DECODE_RATE:
+            rates = _check_chunk(device, codec, *_synthetic_chunk(codec), timed=True)
+            DECODE_RATES[key] = rates or {"alone": None, "under_load": None, "planning": None}
+            _DECODE_RATE[key] = DECODE_RATES[key]["planning"]
+        return _DECODE_RATE[key]
+
+
+_RATE_LOCK = threading.Lock()
 
 
 def _check_decoder(device: torch.device, codec: str, units: list[Any],
@@ -690,7 +699,9 @@ def _check_chunk(device: torch.device, codec: str, buf: torch.Tensor, piece: tup
     (:func:`_time_decode`)."""
     src, length, values, escapes, groups = piece
     ordinal = device.index or 0
-    with torch.cuda.device(device):
+    # a stream of its own (torch's are non-blocking): no other thread's work on the default stream, nor
+    # its gate, runs inside the timings or waits for them
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
         chunk = buf[src : src + length].to(device)
         out = torch.empty(values, dtype=torch.bfloat16, device=device)
         stream = torch.cuda.current_stream(device)
@@ -747,7 +758,8 @@ def _time_decode(device: torch.device, stream: torch.cuda.Stream, run: Any,
     def seconds(fn: Any) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         gate = getattr(torch.cuda, "_sleep", None)
-        if gate is not None:  # the stream held while all is queued: a host busy coding cannot stretch it
+        if gate is not None:  # the stream held while all is queued: launches a little late (a host busy
+            # coding) do not stretch the timing, up to the gate's length
             gate(GATE_CYCLES)
         start.record(stream)
         fn()
