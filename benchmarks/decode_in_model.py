@@ -19,6 +19,7 @@ Used by ``benchmarks.codec_sweep`` for a second compressed bound per coded row,
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from typing import Any
@@ -57,7 +58,7 @@ def resident_with_decodes(model: nn.Module, inputs: dict[str, Any], device: torc
     # memory no earlier decode touched; the same chunk again and again would stay in the L2)
     pairs = [(buf[src: src + length].to(device), torch.empty(values, dtype=torch.bfloat16, device=device))
              for _ in range(PAIRS)]
-    turn = iter(range(1 << 62))
+    turn = itertools.cycle(pairs)
     side = torch.cuda.Stream(device, priority=-1)  # as CodedSlabs.open_transport's decode stream
     ordinal = device.index or 0
     blocks = blocks_of(model)
@@ -68,7 +69,7 @@ def resident_with_decodes(model: nn.Module, inputs: dict[str, Any], device: torc
 
     def decode(n: int) -> None:
         for _ in range(n):
-            chunk, out = pairs[next(turn) % PAIRS]
+            chunk, out = next(turn)
             _native.codec_decode_device(ordinal, side.cuda_stream, chunk.data_ptr(), out.data_ptr(), values,
                                         escapes, groups)
 

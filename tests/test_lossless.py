@@ -24,8 +24,8 @@ def _rates(monkeypatch, rates: dict[str, float | None]) -> None:
     monkeypatch.setattr(coded, "planning_rate", lambda device, codec: rates.get(codec))
 
 
-def _replanned_once(handle, model, x, ref, calls: int = 3) -> None:
-    """Later calls stay exact, on the engine attached now: the re-plan after the second call runs once."""
+def _stays_attached(handle, model, x, ref, calls: int = 3) -> None:
+    """Later calls stay exact, on the engine attached now: whatever the second call chose, it chose once."""
     engine = handle.engine
     for _ in range(calls):
         assert torch.equal(_ref(model, x), ref)
@@ -98,7 +98,7 @@ def test_the_second_call_re_plans_once_to_no_code_when_the_decode_does_not_pay(m
     c = handle.report()["codec"]
     assert c["chosen"] == "off" and c["chosen_with"] == "the compute the second call measured"
     assert c["replan"].startswith("re-planned after the second call: tiered -> off"), c
-    _replanned_once(handle, model, x, ref)
+    _stays_attached(handle, model, x, ref)
     handle.remove()
     assert_restored(model, snap)
 
@@ -172,7 +172,7 @@ def test_the_same_coding_in_a_plan_predicted_5_percent_faster_is_attached(monkey
     else:
         assert handle.engine is not first and handle.engine.store.codec == "tiered"
         assert c["replan"].startswith("re-planned after the second call: the same coding in a plan of"), c
-    _replanned_once(handle, model, x, ref)
+    _stays_attached(handle, model, x, ref)
     handle.remove()
 
 

@@ -251,6 +251,7 @@ mod tests {
             .unwrap()
             .is_empty());
     }
+
     #[test]
     fn the_ring_holds_as_many_batches_as_fit_each_in_buffers_of_its_own() {
         // a 35-buffer ring, units of 6 buffers: five in flight before a buffer is reused
@@ -281,8 +282,8 @@ mod tests {
 
     #[test]
     fn a_batch_overwrites_no_buffer_of_the_batches_placed_since_the_ring_last_came_round() {
-        // mixed sizes: each batch is disjoint from every batch placed after the ring's last turn
-        // began (those are the ones still in flight whose decodes the copy does not wait for)
+        // mixed sizes: each batch is disjoint from every batch placed since the ring's last turn
+        // began, so a copy waits (per buffer) only for decodes a whole turn of the ring back
         let sizes = [4, 9, 17, 6, 6, 1, 17, 9, 4, 35, 2, 8, 30, 5];
         let ring = 35;
         let (mut next, mut turn): (usize, Vec<(usize, usize)>) = (0, vec![]);
