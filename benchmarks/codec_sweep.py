@@ -73,6 +73,18 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def stream_ids(handle: Any) -> dict[str, Any]:
+    """Torch's ids of the engine's copy and decode streams, and ``CUDA_DEVICE_MAX_CONNECTIONS``: which
+    hardware queue a stream lands on follows from them, and a row's speed may too."""
+    import os
+
+    engine = handle.engine
+    copy = getattr(engine, "_copy_stream", None)
+    decode = getattr(getattr(engine, "store", None), "decode_stream", None)
+    return {"copy": getattr(copy, "stream_id", None), "decode": getattr(decode, "stream_id", None),
+            "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.codec_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="min,8", help="'min' or GiB, comma-separated (default min,8)")
@@ -208,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             handle = ddo_blocks.offload(model, preset="one_shot_fast", vram_budget=budget, device=dev,
                                         component="transformer", **opts)
             row["setup_s"] = time.perf_counter() - t
+            row["streams"] = stream_ids(handle)
             with torch.no_grad():
                 row["first_calls_s"] = timed(3)[0]  # lossless: its re-plan runs after the second
                 if replan:
