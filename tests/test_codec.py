@@ -1,4 +1,4 @@
-"""The lossless codecs (``codec="fixed"`` and ``"tiered"`` on the linear route) on the CPU engine: outputs
+"""The lossless codecs (``codec="fixed"``, ``"tiered"`` and ``"huffman"`` on the linear route) on the CPU engine: outputs
 bit-identical to the resident run at every budget, weights restored bit for bit with their strides,
 the report's codec figures, the edge values the code must carry, and bad input refused with the
 module untouched. The codes' bit-level round trips are Rust tests (``ddo-core``'s ``codec`` and
@@ -16,8 +16,8 @@ from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
 
 from .helpers import assert_restored, budgets, snapshot
 
-CODED = ["fixed", "tiered"]
-RATIO = {"fixed": (0.70, 0.80), "tiered": (0.62, 0.72)}
+CODED = ["fixed", "tiered", "huffman"]
+RATIO = {"fixed": (0.70, 0.80), "tiered": (0.62, 0.72), "huffman": (0.60, 0.70)}
 
 
 def bf16_flux(**kw):
@@ -96,7 +96,7 @@ def test_edge_values_strides_and_mixed_dtypes_come_back_exact(codec):
             for n, p in model.named_parameters()}
     params = dict(model.named_parameters())
     handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec=codec, units="block")
-    assert handle.report()["codec"]["escapes"] >= 512
+    assert handle.report()["codec"]["escapes"] >= (0 if codec == "huffman" else 512)  # huffman has none
     with torch.no_grad():
         out = model(**x)[0]
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))

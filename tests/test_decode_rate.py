@@ -99,7 +99,7 @@ def test_decode_rate_keeps_both_rates_and_plans_with_the_slower(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec", ["fixed", "tiered"])
+@pytest.mark.parametrize("codec", ["fixed", "tiered", "huffman"])
 def test_decode_rate_on_the_gpu_is_the_slower_of_alone_and_beside_the_load(monkeypatch, codec):
     import time
 
@@ -107,9 +107,14 @@ def test_decode_rate_on_the_gpu_is_the_slower_of_alone_and_beside_the_load(monke
     monkeypatch.setattr(coded, "DECODE_RATES", {})
     cuda = torch.device("cuda")
     torch.zeros(1, device=cuda)  # the context, outside the time
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated(cuda)
     t0 = time.perf_counter()
     rate = coded.decode_rate(cuda, codec)
     took = time.perf_counter() - t0
+    # nothing of the probe stays allocated (its GEMM load's cuBLAS workspace included: a 32 MiB one
+    # once stayed, outside every budget)
+    assert torch.cuda.memory_allocated(cuda) == held
     rates = coded.DECODE_RATES[(str(cuda), codec)]
     print(f"{codec}: alone {rates['alone'] / 1e9:.0f} GB/s, under load "
           f"{(rates['under_load'] or 0) / 1e9:.0f} GB/s, planning {rate / 1e9:.0f} GB/s, {took:.2f} s")

@@ -1,6 +1,6 @@
-"""The codecs on a real GPU: each NVRTC decode kernel (fixed-rate, two-tier) bit for bit against the
-host reference (edge values, odd lengths, all-escape blocks), and ``codec="fixed"`` and
-``"tiered"`` exact against the resident forward at every budget with the landing buffers inside the
+"""The codecs on a real GPU: each NVRTC decode kernel (fixed-rate, two-tier, Huffman) bit for bit against
+the host reference (edge values, odd lengths, all-escape blocks), and ``codec="fixed"``, ``"tiered"`` and
+``"huffman"`` exact against the resident forward at every budget with the landing buffers inside the
 budget (a module that starts on the GPU: in tests/test_gpu.py). Marked ``gpu``: skipped without
 CUDA."""
 
@@ -11,6 +11,7 @@ import torch
 
 import ddo_blocks
 from ddo_blocks import _native
+from ddo_blocks.streaming import coded
 
 from .helpers import assert_restored, budgets, snapshot
 from .test_gpu import _resident_reference, medium_flux, offload_exact_within_budget
@@ -18,17 +19,13 @@ from .test_gpu import _resident_reference, medium_flux, offload_exact_within_bud
 pytestmark = pytest.mark.gpu
 
 
-CODECS = ["fixed", "tiered"]
+CODECS = ["fixed", "tiered", "huffman"]
 
 
 def _chunk_case(values: torch.Tensor, codec: str) -> tuple[torch.Tensor, object]:
     """A bf16 tensor coded as one unit on the host: (host buffer, layout)."""
     n = values.numel()
-    if codec == "tiered":
-        counts, groups = _native.codec_count_tiered([(values.data_ptr(), n)])
-    else:
-        counts, groups = _native.codec_count_escapes([(values.data_ptr(), n)]), None
-    unit = _native.layout_coded_unit([(0, 2 * n, True)], counts, 1 << 62, groups)
+    unit = coded._layout_one(codec, values, 1 << 62)
     assert unit.code == codec or not unit.coded_pieces
     buf = torch.zeros(unit.nbytes, dtype=torch.uint8)
     _native.codec_encode_unit(unit, [(values.data_ptr(), 2 * n)], buf.data_ptr())

@@ -47,14 +47,15 @@ from .stores import InMemoryStore, _placeholder
 
 log = logging.getLogger("ddo_blocks")
 
-CODECS = ("off", "fixed", "tiered", "lossless")
+CODECS = ("off", "fixed", "tiered", "huffman", "lossless")
 """``off``: units cross the link as they are. ``fixed``: bf16 weights at 12 bits per value (0.751 of
 bf16 on normal weights). ``tiered``: the two-tier code, about 11 bits per value (0.689).
-``lossless``: the planner chooses (:func:`choose_lossless`): ``fixed``, ``tiered`` or no code, and
-which fraction of the units to code, by the step it predicts for each, then again once with the
-compute the second call measured."""
+``huffman``: the exponent Huffman-coded, about 10.65 bits per value (0.666). ``lossless``: the
+planner chooses (:func:`choose_lossless`): one of the codes or none, and which fraction of the units
+to code, by the step it predicts for each, then again once with the compute the second call
+measured."""
 
-CODES = ("fixed", "tiered")
+CODES = ("fixed", "tiered", "huffman")
 """The codecs that code: what ``lossless`` chooses from (besides not coding)."""
 
 QUARTERS = 4
@@ -68,6 +69,15 @@ not coding is never slower than the uncompressed route."""
 TIERED_ESTIMATE = (0.28, 0.003)
 """The two-tier code's tier-2 and escape fractions on normal weights (measured by ddo-core's
 ``tiered_speed`` measurement: 0.27-0.28 and 0.003): the link-bytes estimate before the weights are read."""
+
+HUFFMAN_ESTIMATE = (2.62, 17)
+"""The Huffman code's bits per exponent (its segments' fill included) and symbols per range on normal
+weights (``ddo_core::huffman``'s ratio test: 0.666 of bf16 in all): the link-bytes estimate before the
+weights are read."""
+
+HUFFMAN_ALLOWANCE = 4.0
+"""A landing buffer holds a Huffman chunk whose exponents take this many bits each (plus every range's
+256 symbols); a chunk that needs more is sent raw."""
 
 TIERED_ALLOWANCE = 2
 """A landing buffer holds a two-tier chunk with one value in this many in tier 2 (plus the escape
@@ -122,10 +132,18 @@ def _bf16_values(p: torch.Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _probe_bytes(values: int, codec: str, escape_fraction: float, tier2_fraction: float) -> int:
+def _probe_bytes(values: int, codec: str, escape_fraction: float, tier2_fraction: float,
+                 huffman: tuple[float, int] = HUFFMAN_ESTIMATE) -> int:
     """The coded size of one tensor of ``values`` values with these fractions of its values escaped
-    and (``tiered``) in tier 2, spread evenly over its chunks and ranges."""
+    and (``tiered``) in tier 2, spread evenly over its chunks and ranges; ``huffman``: its bits per
+    exponent and symbols per range."""
     chunk, sub = _native.CODEC_CHUNK_ELEMS, _native.CODEC_SUB_ELEMS
+    if codec == "huffman":
+        bits, symbols = huffman
+        rng = _native.HUFFMAN_RANGE_ELEMS
+        ranges = [[(symbols, max(1, math.ceil(min(rng, n - r) * bits / 128))) for r in range(0, n, rng)]
+                  for n in (min(chunk, values - start) for start in range(0, values, chunk))]
+        return _native.layout_coded_unit_huffman([(0, 2 * values, True)], [ranges], 1 << 62).nbytes
 
     def counts(per_value: float, per: int) -> list[list[int]]:
         out = []
@@ -146,7 +164,7 @@ def landing_bytes(module: nn.Module, codec: str = "fixed") -> int:
     if largest < MIN_CODED_VALUES:
         return 0
     values = min(largest, _native.CODEC_CHUNK_ELEMS)
-    nbytes = _probe_bytes(values, codec, 1 / ESCAPE_ALLOWANCE, 1 / TIERED_ALLOWANCE)
+    nbytes = _probe_bytes(values, codec, 1 / ESCAPE_ALLOWANCE, 1 / TIERED_ALLOWANCE, (HUFFMAN_ALLOWANCE, 256))
     return -(-nbytes // 256) * 256
 
 
@@ -171,7 +189,7 @@ def landing_count(module: nn.Module, codec: str = "fixed") -> int:
 def coded_estimate(units: list[Any], codec: str) -> list[int]:
     """Per unit, the bytes a coded fetch sends, before the weights are read: coded bf16 tensors at
     their chunk layout (fixed: without escapes, about 0.751x; tiered: :data:`TIERED_ESTIMATE`,
-    about 0.69x), the rest as they are. ``units``: units, or per unit its tensors (or their
+    about 0.69x; huffman: :data:`HUFFMAN_ESTIMATE`, about 0.666x), the rest as they are. ``units``: units, or per unit its tensors (or their
     ``units.geometry``: a coded unit's parameters are placeholders)."""
     tier2, esc = TIERED_ESTIMATE if codec == "tiered" else (0.0, 0.0)
     out = []
@@ -226,10 +244,20 @@ def reserve_bytes(module: nn.Module, codec: str, device: torch.device) -> int:
 
 def _count(codec: str, coded: list[tuple[int, int]]) -> tuple[list[Any], list[Any] | None]:
     """The counts a coded layout needs for these ``(address, values)`` bf16 tensors: escapes, and
-    tier-2 groups for the two-tier code (``None`` for the fixed-rate one)."""
+    tier-2 groups for the two-tier code (``None`` for the fixed-rate one). Not for the Huffman code
+    (:func:`_layout_one`)."""
     if codec == "tiered":
         return _native.codec_count_tiered(coded)
     return _native.codec_count_escapes(coded), None
+
+
+def _layout_one(codec: str, t: torch.Tensor, max_chunk_bytes: int) -> Any:
+    """The coded layout of one contiguous bf16 CPU tensor in ``codec``."""
+    if codec == "huffman":
+        ranges = _native.codec_count_huffman([(t.data_ptr(), t.numel())])
+        return _native.layout_coded_unit_huffman([(0, 2 * t.numel(), True)], ranges, max_chunk_bytes)
+    escapes, groups = _count(codec, [(t.data_ptr(), t.numel())])
+    return _native.layout_coded_unit([(0, 2 * t.numel(), True)], escapes, max_chunk_bytes, groups)
 
 
 def _per_tensor(counts: list[Any], coded: list[bool]) -> list[Any]:
@@ -473,7 +501,7 @@ class CodedSlabs(InMemoryStore):
                     tick = lap("alloc", tick)
                     # count and code each tensor while it is in cache: one pass over the weights
                     layout = _native.codec_encode_unit_fused(
-                        specs, [(t.data_ptr(), span_nbytes(t)) for t in srcs], self.codec == "tiered",
+                        specs, [(t.data_ptr(), span_nbytes(t)) for t in srcs], self.codec,
                         self.landing_bytes if self.pin else 1 << 62, buf.data_ptr(), capacity)
                     buf = buf[: layout.nbytes]
                     tick = lap("encode", tick)
@@ -633,8 +661,7 @@ def _synthetic_chunk(codec: str) -> tuple[torch.Tensor, Any]:
     escapes, groups))``, the buffer holding the unit the chunk is in."""
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(SYNTHETIC_VALUES, generator=g) * 0.02).to(torch.bfloat16)
-    escapes, groups = _count(codec, [(t.data_ptr(), t.numel())])
-    layout = _native.layout_coded_unit([(0, 2 * t.numel(), True)], escapes, 1 << 62, groups)
+    layout = _layout_one(codec, t, 1 << 62)
     _, buf = _alloc(layout.nbytes)
     _native.codec_encode_unit(layout, [(t.data_ptr(), 2 * t.numel())], buf.data_ptr())
     src, length, _, values, esc, grp = max(layout.coded_pieces, key=lambda piece: piece[3])
@@ -715,7 +742,7 @@ def _check_chunk(device: torch.device, codec: str, buf: torch.Tensor, piece: tup
             raise DdoError(
                 f"codec={codec!r}: the GPU decode kernel on {device} ({torch.cuda.get_device_name(device)}) gave "
                 f"{differ} of {values} values different from the reference decoder; nothing was streamed. This is a "
-                "bug of ddo_blocks on this device: use codec='off' (or 'fixed' if it was 'tiered') and report it"
+                "bug of ddo_blocks on this device: use another codec='...' (or 'off') and report it"
             )
         if not timed:
             return None
@@ -783,11 +810,26 @@ def _time_decode(device: torch.device, stream: torch.cuda.Stream, run: Any,
     matmuls = max(2, min(4096, math.ceil(LOAD_TIMES * decodes * alone[0] / per_mm))) if per_mm > 0 else 2
     side = torch.cuda.Stream(device, priority=-1)
     load, both = [], []
-    for _ in range(RATE_REPEATS):
-        load.append(_beside(stream, side, mm, matmuls, run, 0))
-        both.append(_beside(stream, side, mm, matmuls, run, decodes))
-        alone.append(seconds(lambda: [run() for _ in range(reps)]) / reps)
+    try:
+        for _ in range(RATE_REPEATS):
+            load.append(_beside(stream, side, mm, matmuls, run, 0))
+            both.append(_beside(stream, side, mm, matmuls, run, decodes))
+            alone.append(seconds(lambda: [run() for _ in range(reps)]) / reps)
+    finally:
+        del x, y, mm
+        _drop_cublas_workspaces(stream)
     return _decode_rates(nbytes, alone, load, both, decodes)
+
+
+def _drop_cublas_workspaces(stream: torch.cuda.Stream) -> None:
+    """Frees the cuBLAS workspaces PyTorch keeps per (handle, stream): the load's matmuls on the probe's
+    own stream left one (32 MiB on the H200) allocated for the life of the process, outside any budget
+    (a GPU test saw a peak 32 MiB over it). The stream's work is waited for first; blocks go back to
+    the caching allocator, and other streams' workspaces are made again at their next matmul."""
+    stream.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _beside(stream: torch.cuda.Stream, side: torch.cuda.Stream, mm: Any, matmuls: int, run: Any,

@@ -482,6 +482,31 @@ pub struct Segment {
     pub len: usize,
 }
 
+/// The lossless codes: this module's fixed-rate one, [`crate::tiered`] and [`crate::huffman`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Code {
+    /// 12 bits a value ([`chunk_layout`]).
+    Fixed,
+    /// About 11 bits a value ([`crate::tiered`]).
+    Tiered,
+    /// About 10.6 bits a value ([`crate::huffman`]).
+    Huffman,
+}
+
+impl Code {
+    /// The code called `name` (`"fixed"`, `"tiered"` or `"huffman"`).
+    pub fn from_name(name: &str) -> Result<Code> {
+        match name {
+            "fixed" => Ok(Code::Fixed),
+            "tiered" => Ok(Code::Tiered),
+            "huffman" => Ok(Code::Huffman),
+            other => Err(CoreError::InvalidArgument(format!(
+                "unknown code {other:?}: use \"fixed\", \"tiered\" or \"huffman\""
+            ))),
+        }
+    }
+}
+
 /// What a piece holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PieceKind {
@@ -502,10 +527,38 @@ pub enum PieceKind {
         /// `None`: the fixed-rate code (this module). `Some`: the two-tier code
         /// ([`crate::tiered`]), with the tier-2 groups of each of its [`subs`].
         sub_groups: Option<Vec<usize>>,
+        /// `Some`: the Huffman code ([`crate::huffman`]), with the counts of each of its
+        /// [`crate::huffman::RANGE_ELEMS`] ranges (`escapes` 0, `sub_groups` `None`).
+        ranges: Option<Vec<crate::huffman::RangeCounts>>,
     },
 }
 
 impl PieceKind {
+    /// The code of a coded chunk: `"fixed"`, `"tiered"` or `"huffman"`; `None` for a raw piece.
+    pub fn code(&self) -> Option<&'static str> {
+        match self {
+            PieceKind::Raw(_) => None,
+            PieceKind::Coded {
+                ranges: Some(_), ..
+            } => Some("huffman"),
+            PieceKind::Coded {
+                sub_groups: Some(_),
+                ..
+            } => Some("tiered"),
+            PieceKind::Coded { .. } => Some("fixed"),
+        }
+    }
+
+    /// A coded chunk's Huffman range counts, `None` for the other codes and raw pieces.
+    pub fn huffman_ranges(&self) -> Option<&[crate::huffman::RangeCounts]> {
+        match self {
+            PieceKind::Coded {
+                ranges: Some(r), ..
+            } => Some(r),
+            _ => None,
+        }
+    }
+
     /// A coded chunk's tiered counts (all of them), `None` for a fixed-rate chunk or a raw piece.
     pub fn tiered_counts(&self) -> Option<crate::tiered::Counts> {
         match self {
@@ -606,6 +659,7 @@ impl CodedUnit {
                         escapes,
                         sub_escapes,
                         sub_groups,
+                        ranges,
                         ..
                     } => PieceKind::Coded {
                         tensor: k,
@@ -614,6 +668,7 @@ impl CodedUnit {
                         escapes: *escapes,
                         sub_escapes: sub_escapes.clone(),
                         sub_groups: sub_groups.clone(),
+                        ranges: ranges.clone(),
                     },
                 };
                 pieces.push(Piece {
@@ -664,7 +719,45 @@ pub fn layout_coded_unit(
     groups: Option<&[Vec<Vec<usize>>]>,
     max_chunk_bytes: usize,
 ) -> Result<CodedUnit> {
-    if escapes.len() != tensors.len() || groups.is_some_and(|g| g.len() != tensors.len()) {
+    layout_any(tensors, escapes, groups, None, max_chunk_bytes)
+}
+
+/// Lays out a unit in the Huffman code ([`crate::huffman`]): `ranges[t]` lists, for bf16 tensor
+/// `t`, for each of its [`chunks`], the counts of each of the chunk's
+/// [`crate::huffman::RANGE_ELEMS`] ranges (from [`crate::huffman::count_ranges`]); otherwise as
+/// [`layout_coded_unit`].
+pub fn layout_coded_unit_huffman(
+    tensors: &[TensorSpec],
+    ranges: &[Vec<Vec<crate::huffman::RangeCounts>>],
+    max_chunk_bytes: usize,
+) -> Result<CodedUnit> {
+    // the fixed-rate escape counts' shape, all zero: what the shared checks expect
+    let escapes: Vec<Vec<Vec<usize>>> = tensors
+        .iter()
+        .map(|s| {
+            if s.bf16 {
+                chunks(s.nbytes / 2)
+                    .map(|(_, v)| vec![0; subs(v).count()])
+                    .collect()
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    layout_any(tensors, &escapes, None, Some(ranges), max_chunk_bytes)
+}
+
+fn layout_any(
+    tensors: &[TensorSpec],
+    escapes: &[Vec<Vec<usize>>],
+    groups: Option<&[Vec<Vec<usize>>]>,
+    huffman: Option<&[Vec<Vec<crate::huffman::RangeCounts>>]>,
+    max_chunk_bytes: usize,
+) -> Result<CodedUnit> {
+    if escapes.len() != tensors.len()
+        || groups.is_some_and(|g| g.len() != tensors.len())
+        || huffman.is_some_and(|h| h.len() != tensors.len())
+    {
         return Err(CoreError::InvalidArgument(format!(
             "{} tensors but escape counts for {} (tier-2 groups for {:?})",
             tensors.len(),
@@ -746,9 +839,29 @@ pub fn layout_coded_unit(
             Some(g) => Some(&g[t]),
             None => None,
         };
+        let tensor_ranges = match huffman {
+            Some(h) if h[t].len() != n_chunks => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "tensor {t} has {n_chunks} chunks but {} Huffman range counts",
+                    h[t].len()
+                )))
+            }
+            Some(h) => Some(&h[t]),
+            None => None,
+        };
         for (c, ((first, values), sub_escapes)) in chunks(spec.nbytes / 2).zip(counts).enumerate() {
             let dst = spec.dst + 2 * first;
             let sub_groups = tensor_groups.map(|g| g[c].clone());
+            let ranges = tensor_ranges.map(|h| h[c].clone());
+            if ranges
+                .as_ref()
+                .is_some_and(|r| r.len() != values.div_ceil(crate::huffman::RANGE_ELEMS))
+            {
+                return Err(CoreError::InvalidArgument(format!(
+                    "a chunk of {values} values of tensor {t} has {:?} Huffman range counts",
+                    ranges.as_ref().map(Vec::len)
+                )));
+            }
             if sub_groups
                 .as_ref()
                 .is_some_and(|g| g.len() != sub_escapes.len())
@@ -767,12 +880,16 @@ pub fn layout_coded_unit(
                 )));
             }
             let n_esc = sub_escapes.iter().sum();
-            let (worth, len) = match &sub_groups {
-                None => (
+            let (worth, len) = match (&sub_groups, &ranges) {
+                (_, Some(r)) => (
+                    crate::huffman::worth_coding(values, r, max_chunk_bytes),
+                    crate::huffman::huffman_layout(values, r).nbytes,
+                ),
+                (None, None) => (
                     worth_coding(values, n_esc, max_chunk_bytes),
                     chunk_layout(values, n_esc).nbytes,
                 ),
-                Some(g) => {
+                (Some(g), None) => {
                     let counts = crate::tiered::Counts {
                         groups: g.iter().sum(),
                         escapes: n_esc,
@@ -795,6 +912,7 @@ pub fn layout_coded_unit(
                         escapes: n_esc,
                         sub_escapes: sub_escapes.clone(),
                         sub_groups,
+                        ranges,
                     },
                     src,
                     len,

@@ -155,6 +155,7 @@ mod tests {
                 escapes: 0,
                 sub_escapes: vec![],
                 sub_groups: None,
+                ranges: None,
             },
             src,
             len,

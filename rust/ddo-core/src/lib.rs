@@ -27,6 +27,7 @@ pub mod cache;
 pub mod codec;
 pub mod dtype;
 pub mod error;
+pub mod huffman;
 pub mod index;
 pub mod landing;
 pub mod layout;

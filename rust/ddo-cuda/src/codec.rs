@@ -26,6 +26,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use ddo_core::codec::{self, CodedUnit, PieceKind};
+use ddo_core::huffman::{self, RangeCounts};
 use ddo_core::landing::Batch;
 use ddo_core::tiered;
 use rayon::prelude::*;
@@ -111,6 +112,71 @@ pub fn decode_kernel(ordinal: usize) -> Result<Kernel> {
 /// The two-tier decode kernel on device `ordinal` ([`crate::tiered`]).
 pub fn tiered_kernel(ordinal: usize) -> Result<Kernel> {
     cached_kernel(ordinal, crate::tiered::KERNEL_NAME, crate::tiered::source)
+}
+
+/// The Huffman decode kernel on device `ordinal` ([`crate::huffman`]).
+pub fn huffman_kernel(ordinal: usize) -> Result<Kernel> {
+    cached_kernel(ordinal, crate::huffman::KERNEL_NAME, crate::huffman::source)
+}
+
+/// Compiles now (not in a first fetch) the kernels `unit`'s coded chunks need beyond the
+/// fixed-rate one.
+pub(crate) fn compile_kernels_of(ordinal: usize, unit: &CodedUnit) -> Result<()> {
+    for p in &unit.pieces {
+        match p.kind.code() {
+            Some("tiered") => drop(tiered_kernel(ordinal)?),
+            Some("huffman") => drop(huffman_kernel(ordinal)?),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Queues the decode of the coded chunk `kind` (any code; `fixed` is the fixed-rate kernel of
+/// the device) at device address `chunk` into device address `out`, on `stream`.
+///
+/// # Safety
+/// As [`launch_decode`], with `chunk` holding the chunk's bytes in its own code's layout.
+pub(crate) unsafe fn launch_coded(
+    ordinal: usize,
+    fixed: &Kernel,
+    kind: &PieceKind,
+    stream: Stream,
+    chunk: usize,
+    out: usize,
+) -> Result<()> {
+    let PieceKind::Coded {
+        values, escapes, ..
+    } = *kind
+    else {
+        return Err(CudaError::InvalidArgument(
+            "a raw piece is not decoded".into(),
+        ));
+    };
+    // SAFETY (each launch): the caller's contract.
+    unsafe {
+        if let Some(ranges) = kind.huffman_ranges() {
+            crate::huffman::launch_decode(
+                &huffman_kernel(ordinal)?,
+                stream,
+                chunk,
+                out,
+                values,
+                ranges,
+            )
+        } else if let Some(counts) = kind.tiered_counts() {
+            crate::tiered::launch_decode(
+                &tiered_kernel(ordinal)?,
+                stream,
+                chunk,
+                out,
+                values,
+                counts,
+            )
+        } else {
+            launch_decode(fixed, stream, chunk, out, values, escapes)
+        }
+    }
 }
 
 /// Queues the decode of one coded chunk of `values` values with `escapes` escapes, at device
@@ -252,6 +318,24 @@ pub unsafe fn count_tiered_many(
     Ok((pick(|c| c.escapes), pick(|c| c.groups)))
 }
 
+/// Huffman range counts of every `(address, values)` bf16 tensor: per chunk, the counts of each of
+/// its [`huffman::RANGE_ELEMS`] ranges.
+///
+/// # Safety
+/// Each address holds `values` readable `u16`s (2-byte aligned), not written during the call.
+pub unsafe fn count_huffman_many(tensors: &[(usize, usize)]) -> Result<Vec<Vec<Vec<RangeCounts>>>> {
+    // SAFETY: the caller's contract is count_many's.
+    let counts = unsafe { count_many(tensors, huffman::count_ranges) }?;
+    Ok(counts
+        .into_iter()
+        .map(|t| {
+            t.into_iter()
+                .map(|c| c.into_iter().flatten().collect())
+                .collect()
+        })
+        .collect())
+}
+
 fn check_values(what: &str, ptr: usize, values: usize) -> Result<()> {
     let n = values
         .checked_mul(2)
@@ -362,6 +446,19 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
             at: tiered::Counts,
             own: tiered::Counts,
         },
+        /// Range `r` of a Huffman chunk (`len` values from `first`), its symbols and segments
+        /// after the chunk's first `at`.
+        Huffman {
+            piece: &'a codec::Piece,
+            tensor: usize,
+            from: usize,
+            lay: std::sync::Arc<huffman::HuffmanLayout>,
+            r: usize,
+            first: usize,
+            len: usize,
+            at: (usize, usize),
+            own: RangeCounts,
+        },
     }
     let mismatch = || CudaError::InvalidArgument("a coded piece does not match its layout".into());
     let mut tasks = Vec::new();
@@ -375,6 +472,7 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                 escapes,
                 sub_escapes,
                 sub_groups: None,
+                ranges: None,
             } => {
                 let lay = codec::chunk_layout(*values, *escapes);
                 if lay.nbytes != p.len || sub_escapes.iter().sum::<usize>() != *escapes {
@@ -394,6 +492,35 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                         n_esc: n,
                     });
                     esc += n;
+                }
+            }
+            PieceKind::Coded {
+                tensor,
+                first_value,
+                values,
+                ranges: Some(ranges),
+                ..
+            } => {
+                let lay = std::sync::Arc::new(huffman::huffman_layout(*values, ranges));
+                if lay.nbytes != p.len || ranges.len() != values.div_ceil(huffman::RANGE_ELEMS) {
+                    return Err(mismatch());
+                }
+                tasks.push(Task::Padding(p, huffman_gaps(&lay)));
+                let mut at = (0, 0);
+                for (r, &own) in ranges.iter().enumerate() {
+                    let first = r * huffman::RANGE_ELEMS;
+                    tasks.push(Task::Huffman {
+                        piece: p,
+                        tensor: *tensor,
+                        from: *first_value,
+                        lay: lay.clone(),
+                        r,
+                        first,
+                        len: huffman::RANGE_ELEMS.min(values - first),
+                        at,
+                        own,
+                    });
+                    at = (at.0 + own.symbols, at.1 + own.segments);
                 }
             }
             kind @ PieceKind::Coded {
@@ -512,8 +639,44 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                 )
                 .map_err(|e| CudaError::InvalidArgument(format!("tensor {tensor}: {e}")))
             }
+            Task::Huffman {
+                piece,
+                tensor,
+                from,
+                lay,
+                r,
+                first,
+                len,
+                at,
+                own,
+            } => {
+                let base = piece.src;
+                huffman::encode_range(
+                    values(*tensor, from + first, *len),
+                    at.0,
+                    at.1,
+                    bytes(base + huffman::RECORD_BYTES * r, huffman::RECORD_BYTES),
+                    bytes(base + lay.symbols + at.0, own.symbols),
+                    bytes(base + lay.signs + first, *len),
+                    bytes(
+                        base + lay.segments + huffman::SEGMENT_BYTES * at.1,
+                        huffman::SEGMENT_BYTES * own.segments,
+                    ),
+                )
+                .map_err(|e| CudaError::InvalidArgument(format!("tensor {tensor}: {e}")))
+            }
         }
     })
+}
+
+/// The bytes of a Huffman chunk no range writes: `(offset, len)` from the chunk's start.
+fn huffman_gaps(lay: &huffman::HuffmanLayout) -> Vec<(usize, usize)> {
+    let ends = [
+        (huffman::RECORD_BYTES * lay.ranges, lay.symbols),
+        (lay.symbols + lay.symbols_total, lay.signs),
+        (lay.signs + lay.n, lay.segments),
+    ];
+    ends.iter().map(|&(from, to)| (from, to - from)).collect()
 }
 
 /// The bytes of a fixed-rate chunk no value writes: `(offset, len)` from the chunk's start.
@@ -551,9 +714,9 @@ fn tiered_gaps(lay: &tiered::TieredLayout) -> Vec<(usize, usize)> {
 }
 
 /// Decodes one coded chunk of `values` values with `escapes` escapes (and `groups` tier-2 groups:
-/// the two-tier code; `None`: the fixed-rate code) from the `len` host bytes at `src` into the
-/// `values` bf16 values at `out`, on the calling thread (the reference a GPU decode is checked
-/// against).
+/// the two-tier code; `ranges`, its ranges' counts: the Huffman code; neither: the fixed-rate
+/// code) from the `len` host bytes at `src` into the `values` bf16 values at `out`, on the calling
+/// thread (the reference a GPU decode is checked against).
 ///
 /// # Safety
 /// `src` is `len` readable host bytes and `out` `2 * values` writable host bytes (2-byte aligned),
@@ -565,6 +728,7 @@ pub unsafe fn decode_chunk_host(
     values: usize,
     escapes: usize,
     groups: Option<usize>,
+    ranges: Option<Vec<RangeCounts>>,
 ) -> Result<()> {
     crate::host::check_host_range("coded chunk", src, len)?;
     check_values("decoded chunk", out, values)?;
@@ -582,12 +746,17 @@ pub unsafe fn decode_chunk_host(
         escapes,
         sub_escapes: Vec::new(),
         sub_groups: groups.map(|g| vec![g]),
+        ranges,
     };
     decode_piece(&kind, inp, out)
 }
 
 /// Decodes one coded chunk (either code) from `inp` into `out` on the host.
 fn decode_piece(kind: &PieceKind, inp: &[u8], out: &mut [u16]) -> Result<()> {
+    if let Some(ranges) = kind.huffman_ranges() {
+        return huffman::decode_chunk(inp, ranges, out)
+            .map_err(|e| CudaError::InvalidArgument(e.to_string()));
+    }
     let done = match kind.tiered_counts() {
         Some(counts) => tiered::decode_chunk(inp, counts, out),
         None => match kind {
@@ -634,7 +803,7 @@ pub fn coded_capacity(specs: &[codec::TensorSpec]) -> Result<usize> {
 pub unsafe fn encode_unit_fused(
     specs: &[codec::TensorSpec],
     tensors: &[(usize, usize)],
-    tiered_code: bool,
+    code: codec::Code,
     max_chunk_bytes: usize,
     dst: usize,
     capacity: usize,
@@ -663,31 +832,46 @@ pub unsafe fn encode_unit_fused(
         .collect();
     let mut escapes: Vec<Vec<Vec<usize>>> = vec![Vec::new(); specs.len()];
     let mut groups: Vec<Vec<Vec<usize>>> = vec![Vec::new(); specs.len()];
+    let mut ranges: Vec<Vec<Vec<RangeCounts>>> = vec![Vec::new(); specs.len()];
     let mut unit = CodedUnit::default();
     for &t in &order {
         seen[t] = specs[t];
         if specs[t].bf16 && specs[t].nbytes > 0 {
             let one = [(tensors[t].0, specs[t].nbytes / 2)];
             // SAFETY: the caller's contract: the tensor holds its spec's bytes, 2-byte aligned.
-            if tiered_code {
-                let (e, g) = unsafe { count_tiered_many(&one) }?;
-                (escapes[t], groups[t]) = (
-                    e.into_iter().next().unwrap_or_default(),
-                    g.into_iter().next().unwrap_or_default(),
-                );
-            } else {
-                escapes[t] = unsafe { count_escapes_many(&one) }?
-                    .into_iter()
-                    .next()
-                    .unwrap_or_default();
+            match code {
+                codec::Code::Tiered => {
+                    let (e, g) = unsafe { count_tiered_many(&one) }?;
+                    (escapes[t], groups[t]) = (
+                        e.into_iter().next().unwrap_or_default(),
+                        g.into_iter().next().unwrap_or_default(),
+                    );
+                }
+                codec::Code::Fixed => {
+                    escapes[t] = unsafe { count_escapes_many(&one) }?
+                        .into_iter()
+                        .next()
+                        .unwrap_or_default();
+                }
+                codec::Code::Huffman => {
+                    ranges[t] = unsafe { count_huffman_many(&one) }?
+                        .into_iter()
+                        .next()
+                        .unwrap_or_default();
+                }
             }
         }
-        unit = codec::layout_coded_unit(
-            &seen,
-            &escapes,
-            tiered_code.then_some(&groups[..]),
-            max_chunk_bytes,
-        )
+        unit = match code {
+            codec::Code::Huffman => {
+                codec::layout_coded_unit_huffman(&seen, &ranges, max_chunk_bytes)
+            }
+            _ => codec::layout_coded_unit(
+                &seen,
+                &escapes,
+                (code == codec::Code::Tiered).then_some(&groups[..]),
+                max_chunk_bytes,
+            ),
+        }
         .map_err(bad)?;
         if unit.nbytes > capacity {
             return Err(CudaError::InvalidArgument(format!(
@@ -806,6 +990,23 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
             Task::Range { chunk, first, len } => {
                 let (p, tensor, first_value, values, counts) = chunks[chunk];
                 let out = output(tensor, first_value + first, len);
+                if let Some(ranges) = p.kind.huffman_ranges() {
+                    // this sub-range's Huffman ranges, each on its own
+                    let lay = huffman::huffman_layout(values, ranges);
+                    if input(p).len() < lay.nbytes
+                        || ranges.len() != values.div_ceil(huffman::RANGE_ELEMS)
+                    {
+                        return Err(CudaError::InvalidArgument(
+                            "corrupt Huffman chunk: its piece is shorter than its layout".into(),
+                        ));
+                    }
+                    for (k, part) in out.chunks_mut(huffman::RANGE_ELEMS).enumerate() {
+                        let at = first + k * huffman::RANGE_ELEMS;
+                        huffman::decode_range(input(p), &lay, at / huffman::RANGE_ELEMS, at, part)
+                            .map_err(bad)?;
+                    }
+                    return Ok((usize::MAX, None, 0));
+                }
                 match (counts, &p.kind) {
                     (Some(counts), _) => {
                         tiered::decode_blocks(input(p), values, counts, first, out)
@@ -831,6 +1032,9 @@ pub unsafe fn decode_unit(unit: &CodedUnit, src: usize, tensors: &[(usize, usize
     }
     per_chunk.into_par_iter().enumerate().try_for_each(|(c, ranges)| {
         let (p, tensor, first_value, values, counts) = chunks[c];
+        if p.kind.huffman_ranges().is_some() {
+            return Ok(()); // no escapes: its ranges decoded it whole
+        }
         let out = output(tensor, first_value, values);
         match (counts, &p.kind) {
             (Some(counts), _) => {
@@ -869,8 +1073,6 @@ pub(crate) struct DecodeRing {
     ordinal: usize,
     decode_stream: Stream,
     kernel: Kernel,
-    /// The two-tier kernel, compiled when the first unit using it is registered.
-    tiered: OnceLock<Kernel>,
     landing: Vec<usize>,
     landing_bytes: usize,
     /// Most landing buffers one batch of chunks fills (`ddo_core::landing`): half the ring where
@@ -931,7 +1133,6 @@ impl DecodeRing {
             ordinal,
             decode_stream,
             kernel,
-            tiered: OnceLock::new(),
             landed: mk(landing.len())?,
             decoded: mk(landing.len())?,
             done: mk(1)?,
@@ -951,14 +1152,6 @@ impl DecodeRing {
     pub fn batches(&self, unit: &CodedUnit) -> Result<Vec<Batch>> {
         ddo_core::landing::landing_batches(unit, self.landing_bytes, self.batch_buffers)
             .map_err(|e| CudaError::InvalidArgument(e.to_string()))
-    }
-
-    /// The two-tier decode kernel of the ring's device, compiled at its first use.
-    pub fn tiered(&self) -> Result<&Kernel> {
-        if self.tiered.get().is_none() {
-            let _ = self.tiered.set(tiered_kernel(self.ordinal)?);
-        }
-        Ok(self.tiered.get().expect("set above"))
     }
 
     /// Blocks the host until every decode queued so far has completed.
@@ -1081,10 +1274,7 @@ impl DecodeStage {
         for &j in &batch.pieces {
             let p = &pieces[j];
             let src = ring.landing[k] + (p.src - batch.src);
-            let PieceKind::Coded {
-                values, escapes, ..
-            } = p.kind
-            else {
+            let PieceKind::Coded { .. } = p.kind else {
                 // SAFETY: the batch holds the piece at its offset once landed[k] completed (the
                 // batch's buffers are consecutive in the ring's one allocation); its bytes go to
                 // its range of the slot, free since the decode stream's wait for the slot's last
@@ -1099,24 +1289,14 @@ impl DecodeStage {
             // stream's (early) or the copy stream's (through landed[k]) wait for the slot's
             // last consumer.
             unsafe {
-                match p.kind.tiered_counts() {
-                    None => launch_decode(
-                        &ring.kernel,
-                        ring.decode_stream,
-                        src,
-                        base + p.dst,
-                        values,
-                        escapes,
-                    )?,
-                    Some(counts) => crate::tiered::launch_decode(
-                        ring.tiered()?,
-                        ring.decode_stream,
-                        src,
-                        base + p.dst,
-                        values,
-                        counts,
-                    )?,
-                }
+                launch_coded(
+                    ring.ordinal,
+                    &ring.kernel,
+                    &p.kind,
+                    ring.decode_stream,
+                    src,
+                    base + p.dst,
+                )?
             };
         }
         Ok(())
@@ -1257,26 +1437,14 @@ impl Stage for StagedDecode {
                     PieceKind::Raw(_) => {
                         crate::job::d2d_async(out + p.dst, staged + p.src, p.len, stream)?
                     }
-                    PieceKind::Coded {
-                        values, escapes, ..
-                    } => match p.kind.tiered_counts() {
-                        None => launch_decode(
-                            &fixed,
-                            stream,
-                            staged + p.src,
-                            out + p.dst,
-                            values,
-                            escapes,
-                        )?,
-                        Some(counts) => crate::tiered::launch_decode(
-                            &tiered_kernel(ordinal)?,
-                            stream,
-                            staged + p.src,
-                            out + p.dst,
-                            values,
-                            counts,
-                        )?,
-                    },
+                    PieceKind::Coded { .. } => launch_coded(
+                        ordinal,
+                        &fixed,
+                        &p.kind,
+                        stream,
+                        staged + p.src,
+                        out + p.dst,
+                    )?,
                 }
             }
         }
@@ -1546,7 +1714,11 @@ mod tests {
 
     #[test]
     fn the_fused_encoder_writes_the_two_pass_bytes_and_layout() {
-        for tiered_code in [false, true] {
+        for code in [
+            codec::Code::Fixed,
+            codec::Code::Tiered,
+            codec::Code::Huffman,
+        ] {
             // tensors out of slot order, a raw one between coded ones, one chunk boundary crossed
             let a = weights(codec::CHUNK_ELEMS + 70_000, 4);
             let b: Vec<u8> = (0..999).map(|i| (i * 7) as u8).collect();
@@ -1575,15 +1747,34 @@ mod tests {
             ];
             let bf16 = [(tensors[0].0, a.len()), (tensors[2].0, c.len())];
             let shape = |v: &[Vec<Vec<usize>>]| vec![v[0].clone(), vec![], v[1].clone()];
-            let two_pass = if tiered_code {
-                // SAFETY: live vectors of that many u16s.
-                let (e, g) = unsafe { count_tiered_many(&bf16) }.unwrap();
-                layout_coded_unit(&specs, &shape(&e), Some(&shape(&g)), usize::MAX).unwrap()
-            } else {
-                // SAFETY: as above.
-                let e = unsafe { count_escapes_many(&bf16) }.unwrap();
-                layout_coded_unit(&specs, &shape(&e), None, usize::MAX).unwrap()
+            let two_pass = match code {
+                codec::Code::Tiered => {
+                    // SAFETY: live vectors of that many u16s.
+                    let (e, g) = unsafe { count_tiered_many(&bf16) }.unwrap();
+                    layout_coded_unit(&specs, &shape(&e), Some(&shape(&g)), usize::MAX).unwrap()
+                }
+                codec::Code::Fixed => {
+                    // SAFETY: as above.
+                    let e = unsafe { count_escapes_many(&bf16) }.unwrap();
+                    layout_coded_unit(&specs, &shape(&e), None, usize::MAX).unwrap()
+                }
+                codec::Code::Huffman => {
+                    // SAFETY: as above.
+                    let r = unsafe { count_huffman_many(&bf16) }.unwrap();
+                    let r = vec![r[0].clone(), vec![], r[1].clone()];
+                    codec::layout_coded_unit_huffman(&specs, &r, usize::MAX).unwrap()
+                }
             };
+            assert!(two_pass.pieces.iter().any(|p| p.kind.code()
+                == Some(match code {
+                    codec::Code::Fixed => "fixed",
+                    codec::Code::Tiered => "tiered",
+                    codec::Code::Huffman => "huffman",
+                })));
+            // the host decoder gives the tensors back
+            let mut back = (a.clone(), vec![0u8; b.len()], c.clone());
+            back.0.fill(0);
+            back.2.fill(0);
             let mut want = vec![0xa5u8; two_pass.nbytes];
             // SAFETY: the buffer holds the unit, the tensors their bytes; all live.
             unsafe { encode_unit(&two_pass, &tensors, want.as_mut_ptr() as usize) }.unwrap();
@@ -1594,7 +1785,7 @@ mod tests {
                 encode_unit_fused(
                     &specs,
                     &tensors,
-                    tiered_code,
+                    code,
                     usize::MAX,
                     got.as_mut_ptr() as usize,
                     cap,
@@ -1603,6 +1794,14 @@ mod tests {
             .unwrap();
             assert_eq!(fused, two_pass);
             assert_eq!(&got[..fused.nbytes], &want[..]);
+            let outs = [
+                (back.0.as_mut_ptr() as usize, 2 * a.len()),
+                (back.1.as_mut_ptr() as usize, b.len()),
+                (back.2.as_mut_ptr() as usize, 2 * c.len()),
+            ];
+            // SAFETY: `want` holds the unit, `outs` the tensors' bytes, all live and disjoint.
+            unsafe { decode_unit(&fused, want.as_ptr() as usize, &outs) }.unwrap();
+            assert_eq!((&back.0, &back.1, &back.2), (&a, &b, &c), "{code:?}");
             assert!(
                 got[fused.nbytes..].iter().all(|&x| x == 0xa5),
                 "nothing written past the unit"
@@ -1613,7 +1812,7 @@ mod tests {
                 encode_unit_fused(
                     &specs,
                     &tensors,
-                    tiered_code,
+                    code,
                     usize::MAX,
                     got.as_mut_ptr() as usize,
                     fused.nbytes - 1,

@@ -19,6 +19,7 @@ mod error;
 mod event;
 mod graph;
 mod host;
+pub mod huffman;
 mod job;
 pub mod kernel;
 mod reader;

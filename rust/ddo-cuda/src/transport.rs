@@ -283,9 +283,7 @@ impl Transport {
         if let Target::Cuda { ordinal, .. } = self.target {
             let _ctx = self.bind()?;
             crate::codec::decode_kernel(ordinal)?;
-            if unit.pieces.iter().any(|p| p.kind.tiered_counts().is_some()) {
-                crate::codec::tiered_kernel(ordinal)?;
-            }
+            crate::codec::compile_kernels_of(ordinal, &unit)?;
         }
         self.staged_units.push(Arc::new(unit));
         Ok(self.staged_units.len() - 1)
@@ -463,11 +461,9 @@ impl Transport {
                      (set_decoder first)"
                 )));
             }
-            if let Some(ring) = &self.decoder {
-                if unit.pieces.iter().any(|p| p.kind.tiered_counts().is_some()) {
-                    let _ctx = self.bind()?;
-                    ring.tiered()?; // compiled now, not in the first fetch
-                }
+            if let (Some(_), Target::Cuda { ordinal, .. }) = (&self.decoder, &self.target) {
+                let _ctx = self.bind()?;
+                crate::codec::compile_kernels_of(*ordinal, &unit)?; // now, not in the first fetch
             }
         }
         let batches = match &self.decoder {
