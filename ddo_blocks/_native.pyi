@@ -159,6 +159,7 @@ class Transport:
 CODEC_CHUNK_ELEMS: int
 CODEC_BLOCK: int
 CODEC_SUB_ELEMS: int
+HUFFMAN_RANGE_ELEMS: int
 
 class CodedUnit:
     """A unit laid out in coded form: raw pieces and coded chunks, in slot order."""
@@ -175,12 +176,13 @@ class CodedUnit:
     @property
     def escapes(self) -> int: ...
     @property
-    def coded_pieces(self) -> list[tuple[int, int, int, int, int, int | None]]:
-        """``(src, len, dst, values, escapes, groups)`` per coded chunk (``groups``: tier-2 groups of the
-        two-tier code, ``None`` for the fixed-rate code)."""
+    def coded_pieces(self) -> list[tuple[int, int, int, int, int, int | list[tuple[int, int]] | None]]:
+        """``(src, len, dst, values, escapes, extra)`` per coded chunk (``extra``: tier-2 groups of the
+        two-tier code, ``(symbols, segments)`` per range of the Huffman code, ``None`` for the fixed-rate
+        code)."""
     @property
     def code(self) -> str:
-        """``"tiered"`` or ``"fixed"``."""
+        """``"fixed"``, ``"tiered"`` or ``"huffman"``."""
     @property
     def raw_pieces(self) -> list[tuple[int, int, int]]:
         """``(src, len, dst)`` per raw piece."""
@@ -189,6 +191,12 @@ def codec_count_escapes(tensors: Sequence[tuple[int, int]]) -> list[list[list[in
     """Escapes of each ``(address, values)`` bf16 tensor, per chunk, per range of ``CODEC_SUB_ELEMS`` values."""
 def codec_count_tiered(tensors: Sequence[tuple[int, int]]) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
     """The two-tier code's ``(escapes, tier-2 groups)`` of each bf16 tensor, in codec_count_escapes' shape."""
+def codec_count_huffman(tensors: Sequence[tuple[int, int]]) -> list[list[list[tuple[int, int]]]]:
+    """The Huffman code's ``(symbols, segments)`` of each bf16 tensor, per chunk, per range of
+    ``HUFFMAN_RANGE_ELEMS`` values."""
+def layout_coded_unit_huffman(tensors: Sequence[tuple[int, int, bool]],
+                              ranges: Sequence[Sequence[Sequence[tuple[int, int]]]], max_chunk_bytes: int) -> CodedUnit:
+    """As layout_coded_unit, in the Huffman code; ``ranges``: per bf16 tensor, from codec_count_huffman."""
 def layout_coded_unit(tensors: Sequence[tuple[int, int, bool]], escapes: Sequence[Sequence[Sequence[int]]],
                       max_chunk_bytes: int, groups: Sequence[Sequence[Sequence[int]]] | None = None) -> CodedUnit:
     """``tensors``: ``(slot_offset, nbytes, is_bf16)``; ``escapes``: per bf16 tensor, from codec_count_escapes
@@ -198,14 +206,16 @@ def codec_compose(parts: Sequence[tuple[CodedUnit, int, int]]) -> CodedUnit:
     """One unit from units of one tensor each: (unit, offset in the new buffer, offset in the slot)."""
 def codec_capacity(tensors: Sequence[tuple[int, int, bool]]) -> int:
     """Bytes a unit of these (slot_offset, nbytes, is_bf16) tensors can take coded, whatever its counts."""
-def codec_encode_unit_fused(tensors: Sequence[tuple[int, int, bool]], sources: Sequence[tuple[int, int]], tiered: bool,
+def codec_encode_unit_fused(tensors: Sequence[tuple[int, int, bool]], sources: Sequence[tuple[int, int]], code: str,
                             max_chunk_bytes: int, dst: int, capacity: int) -> CodedUnit:
-    """Counts, lays out and codes a unit in one pass over its weights into capacity bytes at dst."""
+    """Counts, lays out and codes a unit in ``code`` ("fixed", "tiered", "huffman") in one pass over its
+    weights into capacity bytes at dst."""
 def codec_decode_unit(unit: CodedUnit, src: int, tensors: Sequence[tuple[int, int]]) -> None: ...
 def codec_decode_device(device: int, stream: int, chunk: int, out: int, values: int, escapes: int,
-                        groups: int | None = None) -> None:
+                        extra: int | list[tuple[int, int]] | None = None) -> None:
     """Queues the GPU decode of one coded chunk (device addresses) on ``stream``."""
-def codec_decode_host(src: int, length: int, out: int, values: int, escapes: int, groups: int | None = None) -> None:
+def codec_decode_host(src: int, length: int, out: int, values: int, escapes: int,
+                      extra: int | list[tuple[int, int]] | None = None) -> None:
     """Decodes one coded chunk (host addresses) with the reference decoder."""
 
 # planning: every result is a frozen class (read-only attributes, __repr__, __eq__; to_dict() for reports)
