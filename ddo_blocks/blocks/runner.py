@@ -78,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser, *, family: str, defaults: StageDef
                             "memory, then what the first call's activations leave")
         g.add_argument(f"--{flag}-codec", dest=f"{stage}_codec", default=None, choices=CODECS,
                        help="lossless compressed transfer for the linear route, decoded on the GPU: fixed = bf16 "
-                            "weights sent at 12 bits, tiered = at about 11, lossless = the planner chooses "
+                            "weights sent at 12 bits, tiered = at about 11, huffman = at about 10.65, lossless = the "
+                            "planner chooses "
                             "(default: off)")
         g.add_argument(f"--{flag}-graph", dest=f"{stage}_graph", action="store_true", default=None,
                        help="linear route: replay the stage's steady calls as CUDA graphs (default: off)")

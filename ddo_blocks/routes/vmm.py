@@ -19,7 +19,7 @@ PRESETS = (
         "weights in a CUDA virtual-memory arena shared by the components given the same Arena (one "
         "vram_budget for all): each call may use the chunks the others keep resident, which return at the "
         "same addresses on their next call; streaming as one_shot_fast (pinned slabs: host RAM ~1.0x weights; "
-        "codec='fixed'/'tiered' as on the linear route, not 'lossless')",
+        "codec='fixed'/'tiered'/'huffman' as on the linear route, not 'lossless')",
         HostMode.PINNED_SLABS,
     ),
 )
@@ -62,7 +62,7 @@ def _fixed_bytes(module: Any, units: str, codec: str, device: Any) -> int:
 
 
 LOSSLESS_REFUSED = ("codec='lossless' (the planner chooses the codec) is the linear route's; on the vmm route pass "
-                    "codec='fixed' or 'tiered'")
+                    "codec='fixed', 'tiered' or 'huffman'")
 
 
 def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
