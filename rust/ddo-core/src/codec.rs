@@ -1244,6 +1244,7 @@ mod tests {
                 escapes: 3,
                 sub_escapes: vec![3],
                 sub_groups: None,
+                ranges: None,
             }
         );
         assert_eq!(coded.len, chunk_layout(10_000, 3).nbytes);

@@ -652,7 +652,7 @@ mod tests {
         let all: Vec<u16> = (0..=u16::MAX).collect();
         round_trip(&all);
         round_trip(&vec![0x3f80; 1000]);
-        round_trip(&vec![0x8000; 17]);
+        round_trip(&[0x8000; 17]);
         round_trip(&[0x0001]);
         let two: Vec<u16> = (0..5000u16)
             .map(|i| if i % 3 == 0 { 0x7f80 } else { 0x0001 })

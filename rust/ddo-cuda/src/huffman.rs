@@ -329,7 +329,7 @@ mod tests {
                 s ^= s >> 7;
                 s ^= s << 17;
                 // a narrow exponent window, like weights, with every 16th value anything at all
-                if s % 16 == 0 {
+                if s.is_multiple_of(16) {
                     (s >> 20) as u16
                 } else {
                     (((120 + (s >> 40) % 5 - ((s >> 50) % 3)) as u16) << 7)

@@ -142,13 +142,13 @@ fn codec_count_tiered(
         .map_err(cuda_err)
 }
 
+/// Per tensor, per chunk, per range: `(symbols, segments)`.
+type HuffmanCounts = Vec<Vec<Vec<(usize, usize)>>>;
+
 /// Huffman range counts of each `(address, values)` bf16 tensor: per chunk, `(symbols, segments)`
 /// of each of its ranges, in parallel, GIL released.
 #[pyfunction]
-fn codec_count_huffman(
-    py: Python<'_>,
-    tensors: Vec<(usize, usize)>,
-) -> PyResult<Vec<Vec<Vec<(usize, usize)>>>> {
+fn codec_count_huffman(py: Python<'_>, tensors: Vec<(usize, usize)>) -> PyResult<HuffmanCounts> {
     // SAFETY: as codec_count_escapes.
     let counts = py
         .detach(|| unsafe { ddo_cuda::codec::count_huffman_many(&tensors) })
@@ -168,7 +168,7 @@ fn codec_count_huffman(
 #[pyfunction]
 fn layout_coded_unit_huffman(
     tensors: Vec<(usize, usize, bool)>,
-    ranges: Vec<Vec<Vec<(usize, usize)>>>,
+    ranges: HuffmanCounts,
     max_chunk_bytes: usize,
 ) -> PyResult<CodedUnit> {
     let specs = specs_of(tensors);
