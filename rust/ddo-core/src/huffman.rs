@@ -686,24 +686,35 @@ mod tests {
 
     #[test]
     fn no_code_straddles_a_segment_and_fillers_stop_the_decoder() {
-        // codes of 1..=16 bits in every phase of a segment
-        let mut v = Vec::new();
-        for r in 0..4000u16 {
-            v.push(((r * 7919) % 200) << 7 | (r & 0x7f));
-        }
+        // geometric exponents: codes of 1 to 16 bits, meeting segment ends in every phase
+        let mut s = 0x9e3779b97f4a7c15u64;
+        let v: Vec<u16> = (0..3 * RANGE_ELEMS)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let e = (s.trailing_zeros() as u16).min(30) + 100;
+                (e << 7) | ((s >> 40) as u16 & 0x807f)
+            })
+            .collect();
+        let code = Code::of(&v[..RANGE_ELEMS]);
+        let longest = code.len.iter().copied().max().unwrap();
+        assert!(code.len.iter().any(|&l| l == 1) && longest >= 11, "{longest}");
         round_trip(&v);
     }
 
     #[test]
     fn corrupt_chunks_are_errors_not_panics() {
-        let v = normal_bf16(SUB_ELEMS + 100, 0.02, 11);
+        let v = normal_bf16(RANGE_ELEMS + 100, 0.02, 11);
         let counts = count_ranges(&v);
         let lay = huffman_layout(v.len(), &counts);
         let mut coded = vec![0u8; lay.nbytes];
         encode_chunk(&v, &counts, &mut coded).unwrap();
         let mut out = vec![0u16; v.len()];
         let mut errors = 0;
-        for at in (0..lay.segments + 64).step_by(7) {
+        // every byte of the records and symbols, every 13th of the rest
+        let spots = (0..lay.signs).chain((lay.signs..lay.nbytes).step_by(13));
+        for at in spots {
             for x in [0u8, 0xff, 0x55] {
                 let mut bad = coded.clone();
                 bad[at] = x;
