@@ -113,8 +113,8 @@ def test_decode_rate_on_the_gpu_is_the_slower_of_alone_and_beside_the_load(monke
     rate = coded.decode_rate(cuda, codec)
     took = time.perf_counter() - t0
     # nothing of the probe stays allocated (its GEMM load's cuBLAS workspace included: a 32 MiB one
-    # once stayed, outside every budget)
-    assert torch.cuda.memory_allocated(cuda) == held
+    # once stayed, outside every budget); freeing the workspaces frees those of earlier matmuls too
+    assert torch.cuda.memory_allocated(cuda) <= held
     rates = coded.DECODE_RATES[(str(cuda), codec)]
     print(f"{codec}: alone {rates['alone'] / 1e9:.0f} GB/s, under load "
           f"{(rates['under_load'] or 0) / 1e9:.0f} GB/s, planning {rate / 1e9:.0f} GB/s, {took:.2f} s")

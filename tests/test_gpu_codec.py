@@ -41,8 +41,10 @@ def _cases():
                             dtype=torch.int32).to(torch.int16).view(torch.bfloat16).repeat(1001)[:10_007]
     escapes = torch.full((4 * 512,), 1e-30, dtype=torch.bfloat16)
     escapes[::512] = 1e30
+    # two exponents only, one in nine the rarer: one-bit Huffman codes, 128 values a segment
+    two = torch.where(torch.arange(70_001) % 9 == 0, torch.tensor(2.5), torch.tensor(1.25)).to(torch.bfloat16)
     return {"normal": normal, "random_bits": bits, "every_pattern": every, "specials_odd": specials,
-            "all_escape_blocks": escapes, "nine": normal[:9].clone()}
+            "all_escape_blocks": escapes, "nine": normal[:9].clone(), "two_exponents": two}
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -82,7 +84,8 @@ def test_coded_offload_is_exact_on_the_gpu_and_inside_its_budget(budget_name, co
     c = report["codec"]
     if plan["streamed_units"]:
         assert c["landing_bytes"] > 0 and c["decode_gb_s"] > 10, c
-        assert c["codec"] == codec and (0.74 < c["ratio"] < 0.77 if codec == "fixed" else 0.66 < c["ratio"] < 0.71), c
+        ratio = {"fixed": (0.74, 0.77), "tiered": (0.66, 0.71), "huffman": (0.60, 0.69)}[codec]
+        assert c["codec"] == codec and ratio[0] < c["ratio"] < ratio[1], c
         assert report["runtime"]["h2d_call_bytes"] == c["link_call_bytes"]
         assert report["memory"]["pinned_bytes"] == c["host_bytes"]
     handle.remove()

@@ -699,7 +699,7 @@ mod tests {
             .collect();
         let code = Code::of(&v[..RANGE_ELEMS]);
         let longest = code.len.iter().copied().max().unwrap();
-        assert!(code.len.iter().any(|&l| l == 1) && longest >= 11, "{longest}");
+        assert!(code.len.contains(&1) && longest >= 11, "{longest}");
         round_trip(&v);
     }
 

@@ -2,8 +2,9 @@
 //!
 //! A block reads its range's record, builds a 1024-entry table of the codes of up to 10 bits in
 //! shared memory (longer ones, rare, are found by the canonical limits), then decodes its segments
-//! 256 at a time, one a thread: a first pass counts the thread's values, a prefix sum over the block
-//! turns the counts into positions, a second pass writes each exponent into shared memory. Once the
+//! 256 at a time, one a thread: one pass puts the thread's exponents in its scratch (68 of them; a
+//! segment of more, only with codes of one bit, is decoded again in place), a prefix sum over the
+//! block turns the counts into positions, and the exponents are copied there in shared memory. Once the
 //! range's exponents are all there, each thread joins 16 of them at a time with their sign+mantissa
 //! bytes (one 16-byte load) and writes them with two 16-byte stores.
 
@@ -18,6 +19,7 @@ pub const HUFFMAN_SOURCE: &str = r#"
 #define MAXL 16u
 #define LUTB 10u
 #define THREADS 256u
+#define SCRATCH 68u
 
 // the values of one segment in order: WRITE puts each exponent at `dst[c]` while `at + c < cap`
 template <bool WRITE>
@@ -59,6 +61,9 @@ extern "C" __global__ void __launch_bounds__(256) ddo_decode_huffman(
   __shared__ unsigned int first[MAXL + 1u], endv[MAXL + 1u], base[MAXL + 1u];
   __shared__ unsigned char sym[256];
   __shared__ unsigned int warp_total[THREADS / 32u];
+  // a thread's exponents as its one decoding pass finds them (68 bytes apart: 17 words, so a warp's
+  // byte accesses at one offset fall in 32 different banks)
+  __shared__ __align__(16) unsigned char scratch[THREADS * SCRATCH];
   const unsigned int r = blockIdx.x, tid = threadIdx.x;
   const unsigned char* rec = chunk + 48u * r;
   unsigned int seg0 = *reinterpret_cast<const unsigned int*>(rec);
@@ -105,7 +110,8 @@ extern "C" __global__ void __launch_bounds__(256) ddo_decode_huffman(
     unsigned int k = s0 + tid;
     ulonglong2 seg = make_ulonglong2(0ull, 0ull);
     if (k < nseg) seg = *reinterpret_cast<const ulonglong2*>(chunk + segments + 16u * (seg0 + k));
-    unsigned int mine = k < nseg ? ddo_segment<false>(seg.y, seg.x, lut, first, endv, base, sym, exps, 0u, 0u) : 0u;
+    unsigned char* mine_at = scratch + SCRATCH * tid;
+    unsigned int mine = k < nseg ? ddo_segment<true>(seg.y, seg.x, lut, first, endv, base, sym, mine_at, 0u, SCRATCH) : 0u;
     unsigned int incl = mine;
 #pragma unroll
     for (unsigned int d = 1u; d < 32u; d <<= 1) {
@@ -119,7 +125,11 @@ extern "C" __global__ void __launch_bounds__(256) ddo_decode_huffman(
       if (w < warp) before += warp_total[w];
       round += warp_total[w];
     }
-    if (k < nseg) ddo_segment<true>(seg.y, seg.x, lut, first, endv, base, sym, exps, before, rn);
+    if (mine <= SCRATCH) {
+      for (unsigned int j = 0u; j < mine && before + j < rn; ++j) exps[before + j] = mine_at[j];
+    } else {  // more values than the scratch holds (codes of one bit): decode again, in place
+      ddo_segment<true>(seg.y, seg.x, lut, first, endv, base, sym, exps, before, rn);
+    }
     done += round;
     __syncthreads();  // warp_total is rewritten by the next round
   }
@@ -141,7 +151,11 @@ extern "C" __global__ void __launch_bounds__(256) ddo_decode_huffman(
       reinterpret_cast<uint4*>(o)[0] = make_uint4(v[0], v[1], v[2], v[3]);
       reinterpret_cast<uint4*>(o)[1] = make_uint4(v[4], v[5], v[6], v[7]);
     } else {
-      for (unsigned int j = 0u; g + j < rn; ++j) o[j] = (unsigned short)(v[j / 2] >> (16 * (j & 1)));
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  // the range's last values, with constant indices into v
+        if (g + 2u * j < rn) o[2 * j] = (unsigned short)v[j];
+        if (g + 2u * j + 1u < rn) o[2 * j + 1] = (unsigned short)(v[j] >> 16);
+      }
     }
   }
 }
@@ -291,22 +305,45 @@ mod tests {
                         )
                     })
                     .collect();
+                // one pass into each thread's scratch (68 values), then copied to its place; a segment
+                // of more values is decoded again in place
+                const SCRATCH: usize = 68;
+                let mut scratch = vec![[0u8; SCRATCH]; words.len()];
                 let mine: Vec<u32> = words
                     .iter()
-                    .map(|&(hi, lo)| segment(hi, lo, None))
+                    .zip(scratch.iter_mut())
+                    .map(|(&(hi, lo), own)| {
+                        segment(
+                            hi,
+                            lo,
+                            Some(&mut |c, s| {
+                                if (c as usize) < SCRATCH {
+                                    own[c as usize] = s;
+                                }
+                            }),
+                        )
+                    })
                     .collect();
                 let mut before = done;
-                for (&(hi, lo), &m) in words.iter().zip(&mine) {
+                for ((&(hi, lo), &m), own) in words.iter().zip(&mine).zip(&scratch) {
                     let at = before;
-                    segment(
-                        hi,
-                        lo,
-                        Some(&mut |c, s| {
-                            if ((at + c) as usize) < rn {
-                                exps[(at + c) as usize] = s;
+                    if m as usize <= SCRATCH {
+                        for j in 0..m {
+                            if ((at + j) as usize) < rn {
+                                exps[(at + j) as usize] = own[j as usize];
                             }
-                        }),
-                    );
+                        }
+                    } else {
+                        segment(
+                            hi,
+                            lo,
+                            Some(&mut |c, s| {
+                                if ((at + c) as usize) < rn {
+                                    exps[(at + c) as usize] = s;
+                                }
+                            }),
+                        );
+                    }
                     before += m;
                 }
                 done += mine.iter().sum::<u32>();
@@ -339,6 +376,28 @@ mod tests {
             .collect();
         values[5] = 0x7fc1; // NaN with a payload
         values[6] = 0x8000;
+        // one exponent in nine: codes of one bit, up to 128 values a segment (past the scratch)
+        let skewed: Vec<u16> = (0..RANGE_ELEMS as u32 + 999)
+            .map(|i| {
+                if i % 9 == 0 {
+                    0x4000 | (i as u16 & 0x7f)
+                } else {
+                    0x3f80 | (i as u16 & 0x807f)
+                }
+            })
+            .collect();
+        for v in [&skewed[..], &skewed[..300]] {
+            let counts = count_ranges(v);
+            let lay = huffman_layout(v.len(), &counts);
+            let mut chunk = vec![0u8; lay.nbytes];
+            encode_chunk(v, &counts, &mut chunk).unwrap();
+            assert_eq!(
+                emulate(&chunk, v.len(), &counts),
+                v,
+                "skewed, {} values",
+                v.len()
+            );
+        }
         for n in [values.len(), RANGE_ELEMS, 1, 17] {
             let v = &values[..n];
             let counts = count_ranges(v);
