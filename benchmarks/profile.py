@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DECODE_KERNELS = ("ddo_decode12", "ddo_decode_tiered")
-"""The codecs' decode kernels (fixed-rate, two-tier): their own lane, apart from the model's compute."""
+DECODE_KERNELS = ("ddo_decode12", "ddo_decode_tiered", "ddo_decode_huffman")
+"""The codecs' decode kernels (fixed-rate, two-tier, Huffman): their own lane, apart from the model's compute."""
 
 
 def _intervals(events: list[dict[str, Any]], cats: tuple[str, ...], decode: bool | None = None) -> list[tuple[float, float]]:
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="12GiB", help="a size, or 'min'")
     p.add_argument("--preset", default="one_shot_fast")
     p.add_argument("--units", default="auto")
-    p.add_argument("--codec", default="off", help="off, fixed (the weights coded at 12 bits, decoded on the GPU) or tiered "
-                                                  "(about 11 bits)")
+    p.add_argument("--codec", default="off", help="off, fixed (the weights coded at 12 bits, decoded on the GPU), tiered "
+                                                  "(about 11 bits) or huffman (about 10.65)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/profile")
