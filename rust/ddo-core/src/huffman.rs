@@ -474,7 +474,13 @@ struct Limits {
     first: [u32; MAX_LEN + 1],
     end: [u32; MAX_LEN + 1],
     base: [u32; MAX_LEN + 1],
+    /// Per [`TABLE_BITS`]-bit window, `(length << 16) | symbol index` of the code of at most that
+    /// many bits it starts with, 0 where the code is longer (or none matches).
+    table: Vec<u32>,
 }
+
+/// Windows the host decoder looks codes up in at once (the GPU kernel's table is as wide).
+const TABLE_BITS: usize = 10;
 
 impl Limits {
     fn new(per_len: &[u16; MAX_LEN]) -> Limits {
@@ -492,14 +498,26 @@ impl Limits {
             code = (code + c) << 1;
             index += c;
         }
-        Limits { first, end, base }
+        let mut limits = Limits {
+            first,
+            end,
+            base,
+            table: Vec::new(),
+        };
+        limits.table = (0..1u32 << TABLE_BITS)
+            .map(
+                |w| match limits.search(w << (MAX_LEN - TABLE_BITS), TABLE_BITS) {
+                    Some((sym, len)) => (len << 16) | sym,
+                    None => 0,
+                },
+            )
+            .collect();
+        limits
     }
 
-    /// The symbol index and length of the code at the top of `window` (16 bits), `None` when no
-    /// code matches (only an incomplete code: a range of one exponent).
-    #[inline]
-    fn decode(&self, window: u32) -> Option<(u32, u32)> {
-        (1..=MAX_LEN).find_map(|l| {
+    /// The code of at most `longest` bits at the top of `window`, by the limits.
+    fn search(&self, window: u32, longest: usize) -> Option<(u32, u32)> {
+        (1..=longest).find_map(|l| {
             (window < self.end[l] && self.end[l] != 0 && (window >> (MAX_LEN - l)) >= self.first[l])
                 .then(|| {
                     (
@@ -508,6 +526,16 @@ impl Limits {
                     )
                 })
         })
+    }
+
+    /// The symbol index and length of the code at the top of `window` (16 bits), `None` when no
+    /// code matches (only an incomplete code: a range of one exponent).
+    #[inline]
+    fn decode(&self, window: u32) -> Option<(u32, u32)> {
+        match self.table[(window >> (MAX_LEN - TABLE_BITS)) as usize] {
+            0 => self.search(window, MAX_LEN),
+            e => Some((e & 0xffff, e >> 16)),
+        }
     }
 }
 
