@@ -189,8 +189,9 @@ def landing_count(module: nn.Module, codec: str = "fixed") -> int:
 def coded_estimate(units: list[Any], codec: str) -> list[int]:
     """Per unit, the bytes a coded fetch sends, before the weights are read: coded bf16 tensors at
     their chunk layout (fixed: without escapes, about 0.751x; tiered: :data:`TIERED_ESTIMATE`,
-    about 0.69x; huffman: :data:`HUFFMAN_ESTIMATE`, about 0.666x), the rest as they are. ``units``: units, or per unit its tensors (or their
-    ``units.geometry``: a coded unit's parameters are placeholders)."""
+    about 0.69x; huffman: :data:`HUFFMAN_ESTIMATE`, about 0.666x), the rest as they are. ``units``:
+    units, or per unit its tensors (or their ``units.geometry``: a coded unit's parameters are
+    placeholders)."""
     tier2, esc = TIERED_ESTIMATE if codec == "tiered" else (0.0, 0.0)
     out = []
     for unit in units:
@@ -742,7 +743,8 @@ def _check_chunk(device: torch.device, codec: str, buf: torch.Tensor, piece: tup
             raise DdoError(
                 f"codec={codec!r}: the GPU decode kernel on {device} ({torch.cuda.get_device_name(device)}) gave "
                 f"{differ} of {values} values different from the reference decoder; nothing was streamed. This is a "
-                "bug of ddo_blocks on this device: use another codec='...' (or 'off') and report it"
+                f"bug of ddo_blocks on this device: use codec='off' or another of {', '.join(c for c in CODES if c != codec)}, "
+                "and report it"
             )
         if not timed:
             return None
@@ -804,19 +806,18 @@ def _time_decode(device: torch.device, stream: torch.cuda.Stream, run: Any,
         log.info("ddo_blocks: no room for the GEMM load on %s; decode rate timed alone", device)
         return _decode_rates(nbytes, alone, [], [], 0)
     mm = lambda: torch.matmul(x, x, out=y)  # noqa: E731
-    mm()  # cuBLAS set-up
-    per_mm = seconds(lambda: [mm() for _ in range(3)]) / 3
-    decodes = max(reps, min(4096, math.ceil(LOAD_DECODE_S / alone[0]))) if alone[0] > 0 else reps
-    matmuls = max(2, min(4096, math.ceil(LOAD_TIMES * decodes * alone[0] / per_mm))) if per_mm > 0 else 2
-    side = torch.cuda.Stream(device, priority=-1)
     load, both = [], []
     try:
+        mm()  # cuBLAS set-up
+        per_mm = seconds(lambda: [mm() for _ in range(3)]) / 3
+        decodes = max(reps, min(4096, math.ceil(LOAD_DECODE_S / alone[0]))) if alone[0] > 0 else reps
+        matmuls = max(2, min(4096, math.ceil(LOAD_TIMES * decodes * alone[0] / per_mm))) if per_mm > 0 else 2
+        side = torch.cuda.Stream(device, priority=-1)
         for _ in range(RATE_REPEATS):
             load.append(_beside(stream, side, mm, matmuls, run, 0))
             both.append(_beside(stream, side, mm, matmuls, run, decodes))
             alone.append(seconds(lambda: [run() for _ in range(reps)]) / reps)
     finally:
-        del x, y, mm
         _drop_cublas_workspaces(stream)
     return _decode_rates(nbytes, alone, load, both, decodes)
 
