@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram-budgets", default="0,8,16", help="GiB, or fractions of the weights")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-diffusers", action="store_true")
-    p.add_argument("--codecs", default="off", help="comma-separated: off, fixed, tiered, lossless (rows of each)")
+    p.add_argument("--codecs", default="off", help="comma-separated: off, fixed, tiered, huffman, lossless (rows of each)")
     p.add_argument("--codec", default="off", help=argparse.SUPPRESS)
     p.add_argument("--disk-probe-gib", type=float, default=4.0, help="GiB of the largest file read by the 1- and 8-reader probes")
     p.add_argument("--page-cache-limit", type=float, default=None, metavar="GIB",

@@ -49,7 +49,7 @@ def _plain_disk_bytes(path, model):
         h.remove()
 
 
-@pytest.mark.parametrize("codec", ["fixed", "tiered", "lossless"])
+@pytest.mark.parametrize("codec", ["fixed", "tiered", "huffman", "lossless"])
 def test_exact_with_fewer_bytes_from_disk_and_the_side_file_reused(ckpt, codec):
     path, model, x, ref = ckpt
     plain = _plain_disk_bytes(path, model)
@@ -58,7 +58,7 @@ def test_exact_with_fewer_bytes_from_disk_and_the_side_file_reused(ckpt, codec):
         _run(handle, x, ref)
         rep = handle.report()
         sec = rep["codec"]
-        assert sec["requested"] == codec and sec["codec"] == ("tiered" if codec == "lossless" else codec)
+        assert sec["requested"] == codec and sec["codec"] == ("huffman" if codec == "lossless" else codec)
         assert sec["side_file_reused"] is (attach == "reuses")
         assert (sec["encode_s"] > 0) is (attach == "writes")
         assert sec["coded_units"] == rep["plan"]["disk_units"] == 5 and sec["disk_units_read_as_stored"] == 0
@@ -170,7 +170,7 @@ def test_bad_codec_options(ckpt, tmp_path):
         _load(path, model, "fixed", codec_dir=str(tmp_path / "missing"))
 
 
-@pytest.mark.parametrize("codec", ["fixed", "tiered"])
+@pytest.mark.parametrize("codec", ["fixed", "tiered", "huffman"])
 def test_the_staging_reserve_holds_every_coded_unit(ckpt, codec):
     """The device staging buffer the budget reserves (estimated before the side file is read) holds
     each unit's blobs as the side file lays them out, padding included: a unit that does not fit is
@@ -184,8 +184,8 @@ def test_the_staging_reserve_holds_every_coded_unit(ckpt, codec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec,budget,ram", [("fixed", None, 0), ("tiered", None, 0), ("lossless", "min", 0),
-                                              ("tiered", None, "half")])
+@pytest.mark.parametrize("codec,budget,ram", [("fixed", None, 0), ("tiered", None, 0), ("huffman", None, 0),
+                                              ("lossless", "min", 0), ("tiered", None, "half")])
 def test_cuda_exact_from_the_side_file(ckpt, codec, budget, ram):
     """On the GPU: coded reads through the pinned ring into the device staging buffer, decoded on the
     copy stream, and a RAM cache of coded units; exact, and the staging buffer inside the budget's

@@ -2,9 +2,9 @@
 scheduler and slots with a file-backed unit store and a static RAM cache
 (``streaming.stores.FileStore``); only through ``ddo_blocks.from_pretrained(..., route="nvme")``.
 
-``codec="fixed"|"tiered"|"lossless"`` reads the disk units from a coded side file next to the
-checkpoint instead (``streaming.sidefile``: written at the first attach, found at the next), about
-0.69-0.75x of the bytes per call, decoded on the GPU into the slot; ``codec_dir`` puts the side file
+``codec="fixed"|"tiered"|"huffman"|"lossless"`` reads the disk units from a coded side file next to
+the checkpoint instead (``streaming.sidefile``: written at the first attach, found at the next), about
+0.67-0.75x of the bytes per call, decoded on the GPU into the slot; ``codec_dir`` puts the side file
 elsewhere (a read-only checkpoint directory)."""
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     codec_dir = req.options.pop("codec_dir", None)
     refuse_unknown("nvme", req.options, OPTIONS)
     if not isinstance(codec, str) or codec not in ("off", *coded.CODES, "lossless"):
-        raise ConfigError(f"codec={codec!r} is not a codec of the NVMe route; use 'off', 'fixed', 'tiered' or 'lossless'")
+        raise ConfigError(f"codec={codec!r} is not a codec of the NVMe route; use 'off', "
+                          f"{', '.join(map(repr, coded.CODES))} or 'lossless'")
     if codec_dir is not None and not Path(codec_dir).is_dir():
         raise ConfigError(f"codec_dir={codec_dir!r} is not a directory; pass an existing writable directory for the "
                           "coded side file, or leave it out (next to the checkpoint)")

@@ -1,5 +1,5 @@
 """The NVMe route's coded side file (``route="nvme", codec=...``): every tensor of the checkpoint,
-coded (``ddo-core``'s fixed-rate or two-tier code) or as stored, in a file of its own next to the
+coded (``ddo-core``'s fixed-rate, two-tier or Huffman code) or as stored, in a file of its own next to the
 checkpoint, never inside it, so every call reads fewer bytes from the disk and sends fewer over the
 link.
 
@@ -140,9 +140,22 @@ def _coded(src: Any) -> bool:
     return src.dtype == torch.bfloat16 and src.nbytes // 2 >= coded.MIN_CODED_VALUES
 
 
-def _layout(entry: list[Any]) -> Any:
-    _, _, nbytes, bf16, escapes, groups, _ = entry
-    return _native.layout_coded_unit([(0, nbytes, bf16)], [escapes], 1 << 62, [groups] if groups is not None else None)
+def _layout(entry: list[Any], codec: str) -> Any:
+    """A tensor's layout from its entry: its counts are escapes and tier-2 groups (``fixed``,
+    ``tiered``) or, for ``huffman``, ``(symbols, segments)`` per range in the escapes' place."""
+    _, _, nbytes, bf16, counts, groups, _ = entry
+    if codec == "huffman":
+        ranges = [[tuple(r) for r in chunk] for chunk in counts]
+        return _native.layout_coded_unit_huffman([(0, nbytes, bf16)], [ranges], 1 << 62)
+    return _native.layout_coded_unit([(0, nbytes, bf16)], [counts], 1 << 62, [groups] if groups is not None else None)
+
+
+def _counts(codec: str, t: torch.Tensor, values: int) -> tuple[list[Any], list[Any] | None]:
+    """What an entry keeps of a bf16 tensor's counts (:func:`_layout` makes its layout from them)."""
+    if codec == "huffman":
+        return _native.codec_count_huffman([(t.data_ptr(), values)])[0], None
+    esc, grp = coded._count(codec, [(t.data_ptr(), values)])
+    return esc[0], (grp[0] if grp is not None else None)
 
 
 def _read(data: Path, header: Path, key: dict[str, Any], codec: str) -> SideFile | None:
@@ -153,7 +166,7 @@ def _read(data: Path, header: Path, key: dict[str, Any], codec: str) -> SideFile
             return None
         blobs = {}
         for entry in meta["tensors"]:
-            layout = _layout(entry)
+            layout = _layout(entry, codec)
             if layout.nbytes != entry[-1][1]:
                 return None
             blobs[(entry[0], entry[1])] = Blob(entry[-1][0], layout)
@@ -200,12 +213,11 @@ def _write(data: Path, header: Path, key: dict[str, Any], codec: str, checkpoint
                 for src, t in zip(group, bufs):
                     bf16 = _coded(src)
                     if bf16:
-                        esc, grp = coded._count(codec, [(t.data_ptr(), src.nbytes // 2)])
-                        escapes, groups = esc[0], (grp[0] if grp is not None else None)
+                        escapes, groups = _counts(codec, t, src.nbytes // 2)
                     else:
                         escapes, groups = [], ([] if codec == "tiered" else None)
                     entry = [src.path.name, src.offset, src.nbytes, bf16, escapes, groups]
-                    layout = _layout([*entry, None])
+                    layout = _layout([*entry, None], codec)
                     _, buf = _alloc(layout.nbytes)
                     _native.codec_encode_unit(layout, [(t.data_ptr(), src.nbytes)], buf.data_ptr())
                     f.seek(offset)
@@ -232,14 +244,15 @@ above the estimate's); a unit whose coded size exceeds it is read as stored."""
 
 
 def nvme_codec(codec: str, device: torch.device) -> str:
-    """The code the NVMe route uses for ``codec``: ``lossless`` is the two-tier code (the smaller one:
-    the disk, 2-14 GB/s, is the bound, and either decode runs at hundreds of GB/s), or the fixed-rate
-    one where the two-tier kernel failed its check on this device."""
+    """The code the NVMe route uses for ``codec``: ``lossless`` is the smallest code whose kernel passed
+    its check on this device (the disk, 2-14 GB/s, is the bound, and every decode runs at hundreds of
+    GB/s): ``huffman``, else ``tiered``, else ``fixed``."""
     if codec != "lossless":
         return codec
-    if device.type == "cuda" and coded.planning_rate(device, "tiered") is None:
-        return "fixed"
-    return "tiered"
+    for code in ("huffman", "tiered"):
+        if device.type != "cuda" or coded.planning_rate(device, code) is not None:
+            return code
+    return "fixed"
 
 
 def reserve_bytes(module: torch.nn.Module, codec: str, device: torch.device) -> int:
