@@ -295,14 +295,6 @@ impl HuffmanLayout {
             segments,
         })
     }
-
-    /// Where range `r` (with `counts`, the ranges before it having `before`) writes: its first
-    /// symbol and first segment.
-    pub fn range_start(counts: &[RangeCounts], r: usize) -> (usize, usize) {
-        counts[..r]
-            .iter()
-            .fold((0, 0), |(s, g), c| (s + c.symbols, g + c.segments))
-    }
 }
 
 /// Codes one range (`values`, at most [`RANGE_ELEMS`]) into its parts of the sections: `record`
