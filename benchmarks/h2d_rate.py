@@ -13,6 +13,16 @@ as the engine pins) into a device buffer on one stream and times them with CUDA 
   driver's copy, which may run on a copy engine);
 - ``slab_sm_busy``: the slab while an elementwise kernel on the SMs (``torch.add`` of 2 GiB bf16
   tensors) reads and writes device memory on another stream, as the codec's decode kernels do;
+- ``slab_gemm_busy``: the slab while bf16 GEMMs (8192 x 8192 x 8192, cuBLAS) run on another stream, as
+  the model's linear layers do beside the copies;
+- ``slab_attn_busy``: the slab while attention (``scaled_dot_product_attention``, Flux's 24 heads of
+  128 over 4608 tokens) runs on another stream;
+- ``units_4k`` / ``units_thp``: 400 MiB buffers of anonymous memory advised ``MADV_NOHUGEPAGE`` /
+  ``MADV_HUGEPAGE`` before they are touched (4 KiB pages against 2 MiB ones: the GPU maps page-locked
+  host memory with the pages it is given);
+- ``units_scattered``: 4 KiB-page buffers whose pages were freed a moment before one in every two
+  (so the kernel hands out physically scattered pages, as after a model's weights are freed while
+  its coded copy is written);
 - ``slab_12m``: the slab in 12 MiB copies (one coded chunk of 8 Mi values at 12 bits);
 - ``ring``: 12 MiB copies into a ring of 34 landing buffers, as the codec's copies (no waits);
 - ``ring_consumed``: the same, each buffer consumed on a high-priority stream as the codec's decode
@@ -26,10 +36,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import sys
 import threading
 import time
 from pathlib import Path
+
+PAGE = mmap.PAGESIZE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +77,24 @@ def main(argv: list[str] | None = None) -> int:
                 t.join()
         return buf, _native.HostRegistration(buf, buf.data_ptr(), nbytes, dev.index)
 
-    def rate(buffers: list[torch.Tensor], busy: bool = False, sm: bool = False) -> float:
+    def gemms() -> None:
+        x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+        for _ in range(120):
+            torch.mm(x, x)
+
+    def attention() -> None:
+        q = torch.randn(1, 24, 4608, 128, dtype=torch.bfloat16, device=dev)
+        for _ in range(300):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    def advised(nbytes: int, advice: int) -> tuple[torch.Tensor, object, object]:
+        m = mmap.mmap(-1, nbytes)
+        m.madvise(advice)
+        buf = torch.frombuffer(m, dtype=torch.uint8)
+        buf.fill_(1)
+        return buf, _native.HostRegistration(buf, buf.data_ptr(), nbytes, dev.index), m
+
+    def rate(buffers: list[torch.Tensor], busy: bool = False, sm: bool = False, load: object = None) -> float:
         a = b = None
         if busy or sm:
             a = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
@@ -81,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.cuda.stream(side):
                     for _ in range(60):
                         torch.add(fa, 1, out=fb)
+            if callable(load):
+                with torch.cuda.stream(side):
+                    load()
             start.record(stream)
             k = 0
             for buf in buffers:
@@ -135,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     rows["slab"] = max(rate([slab] * int(total // (1 << 30))) for _ in range(3))
     rows["slab_busy"] = max(rate([slab] * int(total // (1 << 30)), busy=True) for _ in range(2))
     rows["slab_sm_busy"] = max(rate([slab] * int(total // (1 << 30)), sm=True) for _ in range(2))
+    rows["slab_gemm_busy"] = max(rate([slab] * int(total // (1 << 30)), load=gemms) for _ in range(2))
+    rows["slab_attn_busy"] = max(rate([slab] * int(total // (1 << 30)), load=attention) for _ in range(2))
     del reg
     unit = 400 << 20
     units = [pinned(unit) for _ in range(max(1, total // unit))]
@@ -142,9 +177,29 @@ def main(argv: list[str] | None = None) -> int:
     del units
     units = [pinned(unit, threads=8) for _ in range(max(1, total // unit))]
     rows["units_threads"] = max(rate([u for u, _ in units]) for _ in range(3))
+    del units
+    for name, advice in (("units_4k", mmap.MADV_NOHUGEPAGE), ("units_thp", mmap.MADV_HUGEPAGE)):
+        held = [advised(unit, advice) for _ in range(max(1, total // unit))]
+        rows[name] = max(rate([u for u, _, _ in held]) for _ in range(3))
+        del held
+    # free every other page of a touched 4 KiB-page mapping, then take buffers from those pages
+    sieve = mmap.mmap(-1, 2 * (1 << 30))
+    sieve.madvise(mmap.MADV_NOHUGEPAGE)
+    torch.frombuffer(sieve, dtype=torch.uint8).fill_(1)
+    for off in range(0, len(sieve), 2 * PAGE):
+        sieve.madvise(mmap.MADV_DONTNEED, off, PAGE)
+    held = [advised(unit, mmap.MADV_NOHUGEPAGE) for _ in range(max(1, (1 << 30) // unit))]
+    rows["units_scattered"] = max(rate([u for u, _, _ in held] * max(1, total // (1 << 30))) for _ in range(3))
+    del held
+    thp = {}
+    for knob in ("enabled", "defrag"):
+        try:
+            thp[knob] = Path(f"/sys/kernel/mm/transparent_hugepage/{knob}").read_text().strip()
+        except OSError as exc:
+            thp[knob] = f"unreadable: {exc}"
     doc = {"command": "python -m benchmarks.h2d_rate " + " ".join(argv if argv is not None else sys.argv[1:]),
            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": torch.cuda.get_device_name(dev),
-           "copy_bytes": piece, "gb_per_s": rows}
+           "copy_bytes": piece, "transparent_hugepage": thp, "gb_per_s": rows}
     print(json.dumps(doc, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
