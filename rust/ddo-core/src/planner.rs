@@ -23,7 +23,10 @@
 //! `budget - base - K * m - bytes(units larger than m)`, is filled with
 //! further resident units by a few strategies: spreading them evenly among
 //! the streamed ones (error diffusion over bytes, so that copies hide behind
-//! resident compute), largest-first (most resident bytes), and none. Each
+//! resident compute), largest-first (most resident bytes), link-heavy first (the
+//! units whose copy most exceeds their compute, so that a phase of link-heavy
+//! units does not leave the link the bottleneck while the rest of the pass
+//! waits on compute), and none. Each
 //! distinct candidate is scored with [`simulate`]; the lowest predicted step
 //! time wins, ties going to fewer slots, then more resident bytes, then the
 //! earlier candidate. The search is deterministic.
@@ -192,6 +195,22 @@ pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, usize)> {
     // Units by size, largest first (ties: earlier first), for the greedy fill.
     let mut by_size: Vec<usize> = (0..n).collect();
     by_size.sort_by(|&a, &b| req.unit_bytes[b].cmp(&req.unit_bytes[a]).then(a.cmp(&b)));
+    // Units by how much longer their copy takes than their compute, most first (ties: earlier
+    // first), for the link-heavy fill: keeping those resident leaves the link the units whose copy
+    // hides behind compute, where a fill by size leaves phases of link-heavy units (a video or
+    // image transformer's wide double blocks) link-bound while the rest of the pass waits on compute.
+    let excess: Vec<f64> = req
+        .link()
+        .iter()
+        .zip(&compute)
+        .map(|(&l, &c)| l as f64 / req.link_bytes_per_s - c)
+        .collect();
+    let mut by_excess: Vec<usize> = (0..n).collect();
+    by_excess.sort_by(|&a, &b| excess[b].total_cmp(&excess[a]).then(a.cmp(&b)));
+    let orders = Orders {
+        by_size: &by_size,
+        by_excess: &by_excess,
+    };
 
     // Smallest slot size first: those candidates keep the most bytes
     // resident and tend to win early, which lets the bound prune the rest.
@@ -213,7 +232,7 @@ pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, usize)> {
                 continue;
             };
             for strategy in STRATEGIES {
-                let resident = choose_resident(&req.unit_bytes, &by_size, m, cap, strategy);
+                let resident = choose_resident(&req.unit_bytes, &orders, m, cap, strategy);
                 let streamed = resident.iter().filter(|r| !**r).count();
                 // More slots than streamed units only re-copies the same units.
                 if streamed == 0 || (k > streamed && k > req.min_slots) {
@@ -392,23 +411,34 @@ enum Strategy {
     Spread(f64),
     /// Largest units first.
     Greedy,
+    /// The units whose copy most exceeds their compute first.
+    LinkHeavy,
     /// Only the units that must be resident.
     None,
 }
 
-const STRATEGIES: [Strategy; 5] = [
+const STRATEGIES: [Strategy; 6] = [
     Strategy::Spread(0.5),
     Strategy::Spread(0.0),
     Strategy::Spread(1.0),
     Strategy::Greedy,
+    Strategy::LinkHeavy,
     Strategy::None,
 ];
+
+/// The unit orders the fills take units in.
+struct Orders<'a> {
+    /// Largest first.
+    by_size: &'a [usize],
+    /// Copy time minus compute time, largest first.
+    by_excess: &'a [usize],
+}
 
 /// Units larger than `m` are resident; units of at most `m` bytes are made
 /// resident within `cap` extra bytes according to `strategy`.
 fn choose_resident(
     unit_bytes: &[u64],
-    by_size: &[usize],
+    orders: &Orders<'_>,
     m: u64,
     cap: u64,
     strategy: Strategy,
@@ -428,8 +458,15 @@ fn choose_resident(
     match strategy {
         Strategy::None => {}
         Strategy::Greedy => {
-            for &i in by_size {
+            for &i in orders.by_size {
                 take(i, &mut resident, &mut left);
+            }
+        }
+        Strategy::LinkHeavy => {
+            for &i in orders.by_excess {
+                if unit_bytes[i] <= m {
+                    take(i, &mut resident, &mut left);
+                }
             }
         }
         Strategy::Spread(phase) => {
@@ -447,7 +484,7 @@ fn choose_resident(
                     }
                 }
             }
-            for &i in by_size {
+            for &i in orders.by_size {
                 if unit_bytes[i] <= m {
                     take(i, &mut resident, &mut left);
                 }

@@ -24,6 +24,7 @@ mod job;
 pub mod kernel;
 mod reader;
 mod readpool;
+mod simd;
 mod stager;
 pub mod tiered;
 mod transport;
