@@ -26,7 +26,7 @@
 //! resident compute), largest-first (most resident bytes), link-heavy first (the
 //! units whose copy most exceeds their compute, so that a phase of link-heavy
 //! units does not leave the link the bottleneck while the rest of the pass
-//! waits on compute), and none. Each
+//! waits on compute; only with per-unit compute times), and none. Each
 //! distinct candidate is scored with [`simulate`]; the lowest predicted step
 //! time wins, ties going to fewer slots, then more resident bytes, then the
 //! earlier candidate. The search is deterministic.
@@ -232,6 +232,11 @@ pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, usize)> {
                 continue;
             };
             for strategy in STRATEGIES {
+                // compute estimated from bytes orders units as their size does: the link-heavy
+                // fill is the largest-first one again, scored by a model that cannot tell them apart
+                if matches!(strategy, Strategy::LinkHeavy) && req.unit_compute_s.is_none() {
+                    continue;
+                }
                 let resident = choose_resident(&req.unit_bytes, &orders, m, cap, strategy);
                 let streamed = resident.iter().filter(|r| !**r).count();
                 // More slots than streamed units only re-copies the same units.
