@@ -168,7 +168,6 @@ fn block_escapes(block: &[u16], base: u16) -> usize {
 }
 
 /// Escapes a chunk of these values will have.
-#[inline]
 pub fn count_escapes(values: &[u16]) -> usize {
     values
         .chunks(BLOCK)
@@ -217,7 +216,6 @@ impl ChunkLayout {
 /// `codes` (one per two values) and `escapes` (4 bytes per escape of these values, exactly as many
 /// as [`count_escapes`] counts). A different number of escapes is an error (the values changed
 /// since they were counted). Ranges of one chunk can be coded in parallel.
-#[inline]
 pub fn encode_range(
     values: &[u16],
     first: usize,
@@ -243,30 +241,27 @@ pub fn encode_range(
     }
     let n_esc = escapes.len() / 4;
     let mut written = 0usize;
-    // one block at a time through a stack buffer of its codes, so that every loop below is a plain
-    // map or sum over the block that the compiler vectorises (8 values an instruction with SSE2, 16
-    // with AVX2 where the caller enables it); packing codes from the buffer beats coding value pairs
-    let mut block_codes = [0u8; BLOCK];
     for (b, block) in values.chunks(BLOCK).enumerate() {
         let base = block_base(block);
         bases[b] = base as u8;
         let at = b * BLOCK;
         let len = block.len();
-        let own = &mut block_codes[..len];
-        for (c, &v) in own.iter_mut().zip(block) {
-            *c = code_of(v, base) as u8;
-        }
         for (s, &v) in signs[at..at + len].iter_mut().zip(block) {
             *s = (((v >> 8) & 0x80) | (v & 0x7f)) as u8;
         }
-        let pairs = own.chunks_exact(2);
-        if let Some(&c) = pairs.remainder().first() {
-            codes[(at + len) / 2] = c;
-        }
+        let pairs = block.chunks_exact(2);
+        let odd = pairs.remainder().first().copied();
+        let mut esc = 0u16;
         for (byte, pair) in codes[at / 2..at / 2 + len / 2].iter_mut().zip(pairs) {
-            *byte = pair[0] | (pair[1] << 4);
+            let (c0, c1) = (code_of(pair[0], base), code_of(pair[1], base));
+            *byte = (c0 | (c1 << 4)) as u8;
+            esc += u16::from(c0 == u16::from(ESCAPE)) + u16::from(c1 == u16::from(ESCAPE));
         }
-        let esc = own.iter().map(|&c| u16::from(c == ESCAPE)).sum::<u16>();
+        if let Some(v) = odd {
+            let c = code_of(v, base);
+            codes[(at + len) / 2] = c as u8;
+            esc += u16::from(c == u16::from(ESCAPE));
+        }
         if esc == 0 {
             continue;
         }
@@ -275,8 +270,8 @@ pub fn encode_range(
                 "values {first}.. have more than the {n_esc} escapes counted: they changed while they were coded"
             )));
         }
-        for (k, (&v, &c)) in block.iter().zip(own.iter()).enumerate() {
-            if c == ESCAPE {
+        for (k, &v) in block.iter().enumerate() {
+            if code_of(v, base) == u16::from(ESCAPE) {
                 let entry = (((first + at + k) as u32) << 8) | u32::from(exponent(v));
                 escapes[4 * written..4 * written + 4].copy_from_slice(&entry.to_le_bytes());
                 written += 1;

@@ -295,7 +295,7 @@ unsafe fn count_many<T: Send + Clone>(
 /// Each address holds `values` readable `u16`s (2-byte aligned), not written during the call.
 pub unsafe fn count_escapes_many(tensors: &[(usize, usize)]) -> Result<Vec<Vec<Vec<usize>>>> {
     // SAFETY: the caller's contract is count_many's.
-    unsafe { count_many(tensors, crate::simd::count_escapes) }
+    unsafe { count_many(tensors, codec::count_escapes) }
 }
 
 /// Escape and tier-2 group counts of every `(address, values)` bf16 tensor for the two-tier code,
@@ -602,7 +602,7 @@ pub unsafe fn encode_unit(unit: &CodedUnit, tensors: &[(usize, usize)], dst: usi
                 n_esc,
             } => {
                 let base = piece.src;
-                crate::simd::encode_range(
+                codec::encode_range(
                     values(*tensor, from + first, *len),
                     *first,
                     bytes(base + first / codec::BLOCK, len.div_ceil(codec::BLOCK)),

@@ -24,7 +24,6 @@ mod job;
 pub mod kernel;
 mod reader;
 mod readpool;
-mod simd;
 mod stager;
 pub mod tiered;
 mod transport;
