@@ -56,6 +56,32 @@ def test_coded_forward_is_exact_at_every_budget_and_remove_restores(budget_name,
     assert_restored(model, snap)
 
 
+@pytest.mark.parametrize("arena", [True, False], ids=["arena", "a_buffer_each"])
+def test_coded_buffers_share_one_host_reservation_or_fall_back_to_one_each(monkeypatch, arena):
+    """The units' coded buffers are page-aligned slices of one reservation, given back unit by unit
+    on remove(); where the host refuses it, each unit gets a buffer of its own, with the same bytes."""
+    if not arena:
+        monkeypatch.setattr(coded._HostArena, "reserve", classmethod(lambda cls, capacities: None))
+    model = bf16_flux()
+    x = flux_inputs(model)
+    ref = _ref(model, x)
+    snap = snapshot(model)
+    handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed")
+    store = handle.engine.store
+    assert (store.arena is not None) == arena
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], ref)
+    ptrs = [buf.data_ptr() for _, buf in store.buffers]
+    assert len(ptrs) == len(handle.engine.streamed) > 1 and all(p % 4096 == 0 for p in ptrs)
+    if arena:
+        base = store.arena.storage.data_ptr()
+        spans = sorted((p - base, buf.numel()) for p, (_, buf) in zip(ptrs, store.buffers))
+        assert all(a >= 0 and a + n <= b for (a, n), (b, _) in zip(spans, spans[1:] + [(len(store.arena.map), 0)]))
+    handle.remove()
+    assert store.arena is None and store.buffers == []
+    assert_restored(model, snap)
+
+
 def test_minimum_budget_with_the_codec_runs_and_between_calls_weights_are_placeholders():
     model = bf16_flux()
     x = flux_inputs(model)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import mmap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +43,7 @@ from ..errors import ConfigError, DdoError
 from ..routes.spec import HostMode, Preset
 from ..units import flat_span, span_elements, span_nbytes, split_units
 from .plan import unit_sizes as plan_unit_sizes
-from .slabs import _alloc, _progress
+from .slabs import PAGE, _alloc, _progress
 from .stores import InMemoryStore, _placeholder
 
 log = logging.getLogger("ddo_blocks")
@@ -407,6 +408,42 @@ def measured_variants(engine: Any, unit_compute_s: list[float], codecs: tuple[st
     return variants
 
 
+class _HostArena:
+    """One reservation of host address space for every coded unit's buffer (``mmap`` of anonymous,
+    private memory, not reserved against the commit limit), each unit a page-aligned slice of its
+    capacity: the host takes memory only for the pages a unit's code reaches, and attach makes one
+    ``mmap`` call where one a unit (two hundred for Flux) each waited on the address space's lock,
+    which the page-locking of the unit before and the freeing of its weights hold (about 0.6 s of
+    the Flux-sized model's setup on the H200's host). ``None`` from :meth:`reserve` where the host
+    refuses the reservation (a strict commit limit): units then get buffers of their own."""
+
+    def __init__(self, m: mmap.mmap, offsets: list[int]):
+        self.map = m
+        self.storage = torch.frombuffer(m, dtype=torch.uint8)
+        self.offsets = offsets
+
+    @classmethod
+    def reserve(cls, capacities: list[int]) -> _HostArena | None:
+        offsets, total = [], 0
+        for c in capacities:
+            offsets.append(total)
+            total += -(-max(c, 1) // PAGE) * PAGE
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_NORESERVE", 0x4000)
+        try:
+            return cls(mmap.mmap(-1, max(total, PAGE), flags=flags), offsets)
+        except (OSError, ValueError):
+            return None
+
+    def take(self, u: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        at = self.offsets[u]
+        return self.storage, self.storage[at : at + capacity]
+
+    def free(self, u: int, nbytes: int) -> None:
+        """Gives unit ``u``'s pages back (its buffer is no longer read)."""
+        if nbytes:
+            self.map.madvise(mmap.MADV_DONTNEED, self.offsets[u], -(-nbytes // PAGE) * PAGE)
+
+
 class CodedSlabs(InMemoryStore):
     """Every streamed unit coded in host memory (the linear route with ``codec="fixed"`` or
     ``"tiered"``). Build it with :meth:`for_codec`."""
@@ -431,6 +468,8 @@ class CodedSlabs(InMemoryStore):
         self.landing_buffers = landing_count(engine.module, codec)
         self.units: list[Any] = []  # _native.CodedUnit per streamed unit
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (storage, buffer) per unit
+        self.arena: _HostArena | None = None
+        """The buffers' host memory (``None``: a buffer each, or none yet)."""
         self.registrations: dict[int, Any] = {}  # streamed unit -> its buffer's page-locking
         self._hollow: list[list[torch.Tensor]] = []
         self._coded: set[int] = set()  # streamed units whose parameters are placeholders
@@ -475,6 +514,11 @@ class CodedSlabs(InMemoryStore):
         pinning: list[tuple[int, Future]] = []
         total = sum(e.layout_bytes)
         mask = self.mask  # a plan may code fewer units than shrink
+        # a buffer each unit fits whatever its counts: the pages past its coded size are never touched
+        capacities = [_native.codec_capacity([(off, span_nbytes(p), False) for (_, p), off in zip(unit.params, e.offsets[u])])
+                      for u, unit in enumerate(e.streamed)]
+        self.arena = _HostArena.reserve(capacities)
+        lap("alloc", t0)
         freeing: list[Future] = []
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddo-pin") as pool, ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="ddo-free") as freer, ThreadPoolExecutor(
@@ -495,10 +539,8 @@ class CodedSlabs(InMemoryStore):
                     code = mask[unit.index]
                     bf16 = [code and t.numel() >= MIN_CODED_VALUES and t.dtype == torch.bfloat16 for t in srcs]
                     specs = [(off, span_nbytes(t), b) for t, off, b in zip(srcs, e.offsets[u], bf16)]
-                    # a buffer the unit fits whatever its counts: the pages past its coded size are never
-                    # touched (an mmap'd allocation), so they take no host memory
-                    capacity = _native.codec_capacity(specs)
-                    storage, buf = _alloc(capacity)
+                    capacity = capacities[u]
+                    storage, buf = self.arena.take(u, capacity) if self.arena is not None else _alloc(capacity)
                     tick = lap("alloc", tick)
                     # count and code each tensor while it is in cache: one pass over the weights
                     layout = _native.codec_encode_unit_fused(
@@ -594,12 +636,15 @@ class CodedSlabs(InMemoryStore):
             registration = self.registrations.pop(u, None)
             if registration is not None:
                 registration.close()
+            if self.arena is not None:
+                self.arena.free(u, self.buffers[u][1].numel())
             self.buffers[u] = (torch.empty(0, dtype=torch.uint8),) * 2
         self._coded.clear()
         for r in self.registrations.values():  # none normally: each went with its unit above
             r.close()
         self.registrations = {}
         self.buffers = []
+        self.arena = None
         self.landing = None
         self.decode_stream = None
 
