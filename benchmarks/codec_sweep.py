@@ -41,7 +41,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     from matplotlib.patches import Patch
 
     rows = [r for r in doc["rows"] if "error" not in r]
-    colors = {"off": "tab:gray", "fixed": "tab:blue", "tiered": "tab:green"}
+    colors = {"off": "tab:gray", "fixed": "tab:blue", "tiered": "tab:green", "huffman": "tab:orange"}
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4.2))
     x, ticks, labels = 0.0, [], []
     for budget in dict.fromkeys(r["budget"] for r in rows):
