@@ -224,6 +224,38 @@ pub fn encode_range(
     codes: &mut [u8],
     escapes: &mut [u8],
 ) -> Result<()> {
+    if !escapes.len().is_multiple_of(4) {
+        return Err(CoreError::InvalidArgument(format!(
+            "encode_range of {} values: escapes must be 4 bytes each",
+            values.len()
+        )));
+    }
+    let n_esc = escapes.len() / 4;
+    let found = encode_range_sections(values, first, bases, signs, codes, Some(n_esc))?;
+    if found.len() != n_esc {
+        return Err(CoreError::InvalidArgument(format!(
+            "values {first}.. have {} escapes, {n_esc} were counted: they changed while they were coded",
+            found.len()
+        )));
+    }
+    for (out, entry) in escapes.chunks_exact_mut(4).zip(&found) {
+        out.copy_from_slice(entry);
+    }
+    Ok(())
+}
+
+/// [`encode_range`] without the escapes' place: codes the values into `bases`, `signs` and `codes`
+/// and returns their escapes (little-endian entries, in order), counting and coding in one pass
+/// over the values for a caller that places the escapes once every range of the chunk is coded.
+/// `most`: an error past this many escapes (the count [`encode_range`] was given).
+pub fn encode_range_sections(
+    values: &[u16],
+    first: usize,
+    bases: &mut [u8],
+    signs: &mut [u8],
+    codes: &mut [u8],
+    most: Option<usize>,
+) -> Result<Vec<[u8; 4]>> {
     let n = values.len();
     let bad = |what: &str| {
         Err(CoreError::InvalidArgument(format!(
@@ -236,11 +268,10 @@ pub fn encode_range(
     if bases.len() != n.div_ceil(BLOCK) || signs.len() != n || codes.len() != n.div_ceil(2) {
         return bad("section slices of the wrong length");
     }
-    if !escapes.len().is_multiple_of(4) || first + n > (1 << 24) {
-        return bad("escapes must be 4 bytes each and indices below 2^24");
+    if first + n > (1 << 24) {
+        return bad("escape indices must be below 2^24");
     }
-    let n_esc = escapes.len() / 4;
-    let mut written = 0usize;
+    let mut found: Vec<[u8; 4]> = Vec::new();
     for (b, block) in values.chunks(BLOCK).enumerate() {
         let base = block_base(block);
         bases[b] = base as u8;
@@ -265,25 +296,19 @@ pub fn encode_range(
         if esc == 0 {
             continue;
         }
-        if written + usize::from(esc) > n_esc {
+        if let Some(most) = most.filter(|&m| found.len() + usize::from(esc) > m) {
             return Err(CoreError::InvalidArgument(format!(
-                "values {first}.. have more than the {n_esc} escapes counted: they changed while they were coded"
+                "values {first}.. have more than the {most} escapes counted: they changed while they were coded"
             )));
         }
         for (k, &v) in block.iter().enumerate() {
             if code_of(v, base) == u16::from(ESCAPE) {
                 let entry = (((first + at + k) as u32) << 8) | u32::from(exponent(v));
-                escapes[4 * written..4 * written + 4].copy_from_slice(&entry.to_le_bytes());
-                written += 1;
+                found.push(entry.to_le_bytes());
             }
         }
     }
-    if written != n_esc {
-        return Err(CoreError::InvalidArgument(format!(
-            "values {first}.. have {written} escapes, {n_esc} were counted: they changed while they were coded"
-        )));
-    }
-    Ok(())
+    Ok(found)
 }
 
 /// Codes one chunk of `values` (at most [`CHUNK_ELEMS`]) with `n_esc` escapes (from

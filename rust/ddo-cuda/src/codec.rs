@@ -787,11 +787,11 @@ pub fn coded_capacity(specs: &[codec::TensorSpec]) -> Result<usize> {
     })
 }
 
-/// Counts, lays out and codes one unit in a single pass over its weights: each bf16 tensor, in slot
-/// order, is counted and its chunks coded at once, while its values are still in the CPU's cache,
-/// where [`count_escapes_many`] / [`count_tiered_many`], [`codec::layout_coded_unit`] and
-/// [`encode_unit`] read every weight twice (a host whose copies are memory-bound pays the count as a
-/// second pass). The layout is [`codec::layout_coded_unit`]'s: pieces are laid out in slot order,
+/// Counts, lays out and codes one unit: each bf16 tensor, in slot order, is counted and its chunks
+/// coded at once, where [`count_escapes_many`] / [`count_tiered_many`], [`codec::layout_coded_unit`]
+/// and [`encode_unit`] take two passes over the whole unit. The fixed-rate code counts and codes each
+/// range in one read of its values ([`code_fixed_in_one_pass`]: 2.2-2.5 -> 4.0-4.1 GB/s of bf16 on
+/// the 2-core CI machine, `benchmarks.encode_rate`); the other codes count a tensor, then code it. The layout is [`codec::layout_coded_unit`]'s: pieces are laid out in slot order,
 /// so the tensors laid out so far fix their pieces' places (a later raw tensor may only extend the
 /// last raw piece, and raw pieces are written at the end). Writes into `dst`, `capacity` bytes
 /// (at least what the unit takes: [`coded_capacity`] is always enough) and returns the layout.
@@ -834,6 +834,8 @@ pub unsafe fn encode_unit_fused(
     let mut groups: Vec<Vec<Vec<usize>>> = vec![Vec::new(); specs.len()];
     let mut ranges: Vec<Vec<Vec<RangeCounts>>> = vec![Vec::new(); specs.len()];
     let mut unit = CodedUnit::default();
+    // (tensor, first value, where) of the fixed-rate chunks coded as they were counted
+    let mut single_pass: Vec<(usize, usize, usize)> = Vec::new();
     for &t in &order {
         seen[t] = specs[t];
         if specs[t].bf16 && specs[t].nbytes > 0 {
@@ -848,10 +850,19 @@ pub unsafe fn encode_unit_fused(
                     );
                 }
                 codec::Code::Fixed => {
-                    escapes[t] = unsafe { count_escapes_many(&one) }?
-                        .into_iter()
-                        .next()
-                        .unwrap_or_default();
+                    // SAFETY: the caller's contract (the tensor's bytes; `dst`'s `capacity`).
+                    let coded = unsafe {
+                        code_fixed_in_one_pass(
+                            &seen,
+                            &mut escapes,
+                            t,
+                            tensors[t].0,
+                            max_chunk_bytes,
+                            dst,
+                            capacity,
+                        )
+                    }?;
+                    single_pass.extend(coded);
                 }
                 codec::Code::Huffman => {
                     ranges[t] = unsafe { count_huffman_many(&one) }?
@@ -884,7 +895,14 @@ pub unsafe fn encode_unit_fused(
             .filter(|p| matches!(p.kind, PieceKind::Coded { tensor, .. } if tensor == t))
             .cloned()
             .collect();
-        if !chunks.is_empty() {
+        let coded_already = code == codec::Code::Fixed
+            && chunks.iter().all(|p| match p.kind {
+                PieceKind::Coded { first_value, .. } => {
+                    single_pass.contains(&(t, first_value, p.src))
+                }
+                PieceKind::Raw(_) => false,
+            });
+        if !chunks.is_empty() && !coded_already {
             let part = CodedUnit {
                 pieces: chunks,
                 nbytes: unit.nbytes,
@@ -909,6 +927,87 @@ pub unsafe fn encode_unit_fused(
         unsafe { encode_unit(&part, tensors, dst) }?;
     }
     Ok(unit)
+}
+
+/// Counts and codes the fixed-rate chunks of bf16 tensor `t` (its values at `src`) in one pass over
+/// its values, chunk by chunk: a chunk's place is known before its count (the unit laid out up to
+/// it; its sections' offsets do not depend on its escapes), so every range of it is coded there in
+/// parallel while counted, and the escapes, collected per range, are written after. Records each
+/// chunk's escape counts in `escapes[t]` and returns `(t, first value, place)` of the chunks coded
+/// (a chunk not worth coding is left to the raw pass: its sections are zeroed). The caller checks
+/// the places against the unit's final layout and codes again any chunk placed elsewhere.
+///
+/// # Safety
+/// `src` holds `seen[t].nbytes` readable bytes of bf16 (2-byte aligned), `dst` `capacity` writable
+/// bytes disjoint from it, all allocated and not written by anyone else during the call.
+unsafe fn code_fixed_in_one_pass(
+    seen: &[codec::TensorSpec],
+    escapes: &mut [Vec<Vec<usize>>],
+    t: usize,
+    src: usize,
+    max_chunk_bytes: usize,
+    dst: usize,
+    capacity: usize,
+) -> Result<Vec<(usize, usize, usize)>> {
+    let bad = |e: ddo_core::CoreError| CudaError::InvalidArgument(e.to_string());
+    let n = seen[t].nbytes / 2;
+    let mut before = seen.to_vec();
+    let mut coded = Vec::new();
+    escapes[t].clear();
+    for (first, values) in codec::chunks(n) {
+        // the unit up to this chunk: this tensor's chunks before it, with their counts
+        before[t].nbytes = 2 * first;
+        let start = codec::layout_coded_unit(&before, escapes, None, max_chunk_bytes)
+            .map_err(bad)?
+            .nbytes
+            .next_multiple_of(codec::PIECE_ALIGN);
+        let lay = codec::chunk_layout(values, 0);
+        if start + lay.escapes > capacity {
+            return Err(CudaError::InvalidArgument(format!(
+                "a coded unit needs more than the {capacity} bytes given (coded_capacity gives enough)"
+            )));
+        }
+        // SAFETY: the sections of this chunk lie in `dst`'s first `capacity` bytes (checked
+        // above); each range writes its own blocks, values and code bytes of them.
+        let bytes = |off: usize, len: usize| unsafe {
+            std::slice::from_raw_parts_mut((dst + start + off) as *mut u8, len)
+        };
+        let found: Vec<Vec<[u8; 4]>> = codec::subs(values)
+            .collect::<Vec<_>>()
+            .par_iter()
+            .map(|&(at, len)| {
+                // SAFETY: the caller's contract: the chunk's values lie in the tensor.
+                let vals =
+                    unsafe { std::slice::from_raw_parts((src as *const u16).add(first + at), len) };
+                codec::encode_range_sections(
+                    vals,
+                    at,
+                    bytes(at / codec::BLOCK, len.div_ceil(codec::BLOCK)),
+                    bytes(lay.signs + at, len),
+                    bytes(lay.codes + at / 2, len.div_ceil(2)),
+                    None,
+                )
+                .map_err(|e| CudaError::InvalidArgument(format!("tensor {t}: {e}")))
+            })
+            .collect::<Result<_>>()?;
+        let counts: Vec<usize> = found.iter().map(Vec::len).collect();
+        let n_esc = counts.iter().sum();
+        let full = codec::chunk_layout(values, n_esc);
+        if codec::worth_coding(values, n_esc, max_chunk_bytes) && start + full.nbytes <= capacity {
+            for &(off, len) in &fixed_gaps(&full) {
+                bytes(off, len).fill(0);
+            }
+            let out = bytes(full.escapes, 4 * n_esc);
+            for (place, entry) in out.chunks_exact_mut(4).zip(found.iter().flatten()) {
+                place.copy_from_slice(entry);
+            }
+            coded.push((t, first, start));
+        } else {
+            bytes(0, lay.escapes).fill(0); // left to the raw pass, which writes the bytes it owns
+        }
+        escapes[t].push(counts);
+    }
+    Ok(coded)
 }
 
 /// Decodes `unit`'s host buffer at `src` back into its tensors `(address, bytes)` (the inverse
@@ -1710,6 +1809,92 @@ mod tests {
         t.release(1, Stream::DEFAULT).unwrap();
         t.close().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_fused_fixed_code_leaves_chunks_not_worth_coding_to_the_raw_pass() {
+        // the one-pass code places a chunk before counting it: a chunk over the landing limit, an
+        // all-escape tensor and a raw tensor after them must come out as the two passes lay them out
+        let a = weights(codec::CHUNK_ELEMS + 70_000, 6);
+        let e: Vec<u16> = (0..50_000u32)
+            .map(|i| (i.wrapping_mul(40_503) >> 3) as u16 | 0x0080)
+            .collect();
+        let f: Vec<u8> = (0..333).map(|i| (i * 13) as u8).collect();
+        let specs = [
+            TensorSpec {
+                dst: 0,
+                nbytes: 2 * a.len(),
+                bf16: true,
+            },
+            TensorSpec {
+                dst: 2 * a.len() + 512,
+                nbytes: 2 * e.len(),
+                bf16: true,
+            },
+            TensorSpec {
+                dst: 2 * a.len() + 512 + 2 * e.len(),
+                nbytes: f.len(),
+                bf16: false,
+            },
+        ];
+        let tensors = [
+            (a.as_ptr() as usize, 2 * a.len()),
+            (e.as_ptr() as usize, 2 * e.len()),
+            (f.as_ptr() as usize, f.len()),
+        ];
+        let bf16 = [(tensors[0].0, a.len()), (tensors[1].0, e.len())];
+        // SAFETY: live vectors of that many u16s.
+        let counts = unsafe { count_escapes_many(&bf16) }.unwrap();
+        let counts = vec![counts[0].clone(), counts[1].clone(), vec![]];
+        for limit in [usize::MAX, 1 << 20] {
+            let two_pass = layout_coded_unit(&specs, &counts, None, limit).unwrap();
+            // bf16 chunks left raw (the all-escape tensor; with the limit, the large chunk too)
+            let left_raw: usize = two_pass
+                .pieces
+                .iter()
+                .map(|p| match &p.kind {
+                    PieceKind::Raw(segs) => segs.iter().filter(|s| s.tensor != 2).count(),
+                    PieceKind::Coded { .. } => 0,
+                })
+                .sum();
+            assert_eq!(
+                left_raw,
+                if limit == usize::MAX { 1 } else { 2 },
+                "{two_pass:?}"
+            );
+            assert!(two_pass
+                .pieces
+                .iter()
+                .any(|p| p.kind.code() == Some("fixed")));
+            let mut want = vec![0xa5u8; two_pass.nbytes];
+            // SAFETY: the buffer holds the unit, the tensors their bytes; all live.
+            unsafe { encode_unit(&two_pass, &tensors, want.as_mut_ptr() as usize) }.unwrap();
+            let cap = coded_capacity(&specs).unwrap();
+            let mut got = vec![0xa5u8; cap];
+            // SAFETY: `got` has `cap` bytes, the tensors their bytes; all live.
+            let fused = unsafe {
+                encode_unit_fused(
+                    &specs,
+                    &tensors,
+                    codec::Code::Fixed,
+                    limit,
+                    got.as_mut_ptr() as usize,
+                    cap,
+                )
+            }
+            .unwrap();
+            assert_eq!(fused, two_pass, "limit {limit}");
+            if let Some(i) = (0..fused.nbytes).find(|&i| got[i] != want[i]) {
+                let p = fused
+                    .pieces
+                    .iter()
+                    .find(|p| p.src <= i && i < p.src + p.len);
+                panic!(
+                    "limit {limit}: byte {i} differs ({} against {}), piece {p:?}",
+                    got[i], want[i]
+                );
+            }
+        }
     }
 
     #[test]
