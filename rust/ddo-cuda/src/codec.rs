@@ -790,7 +790,7 @@ pub fn coded_capacity(specs: &[codec::TensorSpec]) -> Result<usize> {
 /// Counts, lays out and codes one unit: each bf16 tensor, in slot order, is counted and its chunks
 /// coded at once, where [`count_escapes_many`] / [`count_tiered_many`], [`codec::layout_coded_unit`]
 /// and [`encode_unit`] take two passes over the whole unit. The fixed-rate code counts and codes each
-/// range in one read of its values ([`code_fixed_in_one_pass`]: 2.2-2.5 -> 4.0-4.1 GB/s of bf16 on
+/// range in one read of its values (`code_fixed_in_one_pass`: 2.2-2.5 -> 4.0-4.1 GB/s of bf16 on
 /// the 2-core CI machine, `benchmarks.encode_rate`); the other codes count a tensor, then code it. The layout is [`codec::layout_coded_unit`]'s: pieces are laid out in slot order,
 /// so the tensors laid out so far fix their pieces' places (a later raw tensor may only extend the
 /// last raw piece, and raw pieces are written at the end). Writes into `dst`, `capacity` bytes
