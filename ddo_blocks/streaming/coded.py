@@ -6,7 +6,8 @@ two-tier code), sent over the link as such and decoded into the slot.
   ``ddo-core``'s ``codec`` and ``tiered``, in parallel),
   the unit's coded layout (bf16 tensors of at least :data:`MIN_CODED_VALUES` values are coded in
   chunks of up to 8 Mi values; every other tensor, and a chunk that would not shrink, is sent as it
-  is), the coded buffer (page-locked on a GPU, in the background while the next unit is coded), and
+  is), the coded buffer (a slice of one host reservation made at attach, its pages taken only as the
+  code reaches them; page-locked on a GPU, in the background while the next unit is coded), and
   the parameters pointed at placeholders (one NaN element): the original bytes are freed as the
   coded ones are written, so host RAM stays at about the coded size plus one unit.
 - A fetch is one copy job: raw pieces straight into the slot, coded chunks through a ring of
@@ -18,7 +19,7 @@ two-tier code), sent over the link as such and decoded into the slot.
   first attach on a device, the kernel's decode of the largest chunk is compared bit for bit with
   the reference decoder's, and a difference refuses the offload (:func:`_check_decoder`).
 - ``remove()`` (and a failed attach) decodes every coded unit back into fresh memory of the
-  parameters' own shapes and strides.
+  parameters' own shapes and strides, giving each unit's coded pages back as it goes.
 
 The report gets a ``codec`` section: coded and raw bytes, the ratio, the bytes one call sends, the
 escapes, the landing buffers, and on a GPU the decode rate measured at attach.
