@@ -209,7 +209,7 @@ def test_profile_analysis_splits_idle_time():
     assert row["idle_both_s"] == pytest.approx(10e-6, abs=1e-12)
 
 
-@pytest.mark.parametrize("kernel", ["ddo_decode12", "ddo_decode_tiered"])
+@pytest.mark.parametrize("kernel", ["ddo_decode12", "ddo_decode_tiered", "ddo_decode_huffman"])
 def test_profile_puts_either_decode_kernel_in_its_own_lane(kernel):
     from benchmarks.profile import analyse
 
@@ -221,6 +221,34 @@ def test_profile_puts_either_decode_kernel_in_its_own_lane(kernel):
     (row,) = analyse(trace, [(0.0, 20.0)])
     assert row["compute_busy_s"] == pytest.approx(10e-6, abs=1e-12)
     assert row["decode_busy_s"] == pytest.approx(5e-6, abs=1e-12)
+
+
+def test_profile_splits_the_copies_by_the_compute_beside_them_and_keeps_the_lanes(tmp_path):
+    """Two 2 MiB copies of 100 us, one under a kernel for 80 us, one alone (a 512 KiB copy is left out):
+    their rates are reported apart, and the lanes file keeps every GPU event and the call."""
+    import gzip
+    import json
+
+    from benchmarks.profile import analyse, write_lanes
+
+    mib2 = 2 << 20
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 80, "name": "gemm", "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 0, "dur": 100, "name": "Memcpy HtoD", "args": {"bytes": mib2}},
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 200, "dur": 50, "name": "Memcpy HtoD", "args": {"bytes": mib2}},
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 300, "dur": 10, "name": "Memcpy HtoD", "args": {"bytes": 1 << 19}},
+        {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 400, "name": "ddo_call"},
+    ]}
+    (row,) = analyse(trace, [(0.0, 400.0)])
+    beside = row["copies_by_compute_beside"]
+    assert beside["compute_over_half"]["count"] == beside["compute_under_half"]["count"] == 1
+    assert beside["compute_over_half"]["gb_per_s"] == pytest.approx(mib2 / 100e-6 / 1e9)
+    assert beside["compute_under_half"]["gb_per_s"] == pytest.approx(mib2 / 50e-6 / 1e9)
+    write_lanes(trace, tmp_path / "lanes.json.gz")
+    with gzip.open(tmp_path / "lanes.json.gz", "rt") as f:
+        lanes = json.load(f)
+    assert [r[0] for r in lanes] == ["k", "mem", "mem", "mem", "call"]
+    assert lanes[1][5] == mib2 and lanes[0][4] == 7
 
 
 def test_read_pipeline_benchmark_runs_on_the_cpu(tmp_path):
