@@ -141,6 +141,38 @@ def test_new_input_shapes_drop_the_graphs_and_stay_exact(flux):
     handle.remove()
 
 
+def test_call_structure_flattens_as_pytree_does_and_outputs_clone_alike():
+    """The runner's own flattening of an all-leaf call keeps pytree's leaf order, rebuilds the call,
+    and tells structures apart; a call holding a container goes through pytree. Outputs clone to equal,
+    distinct tensors in the structure they came in."""
+    from torch.utils import _pytree as pytree
+
+    from ddo_blocks.streaming.graph import _clone_outputs, _FlatSpec, _flatten, _unflatten
+
+    a, b = torch.ones(2), torch.zeros(3)
+    args, kwargs = (a,), {"y": b, "flag": True, "n": None}
+    leaves, spec = _flatten(args, kwargs)
+    assert isinstance(spec, _FlatSpec)
+    assert [id(x) for x in leaves] == [id(x) for x in pytree.tree_flatten((args, kwargs))[0]]
+    back_args, back_kwargs = _unflatten(leaves, spec)
+    assert back_args == args and list(back_kwargs) == list(kwargs) and back_kwargs["y"] is b
+    # keyword order, a keyword more, positional against keyword: other structures
+    assert _flatten(args, {"flag": True, "y": b, "n": None})[1] != spec
+    assert _flatten(args, {**kwargs, "m": 1})[1] != spec
+    assert _flatten((), {"x": a, **kwargs})[1] != spec
+    # a container (or a tensor subclass) takes pytree's path, and round-trips
+    nested_args, nested_kwargs = (a,), {"ys": [b, b], "flag": False}
+    leaves, spec = _flatten(nested_args, nested_kwargs)
+    assert not isinstance(spec, _FlatSpec) and len(leaves) == 4
+    assert _unflatten(leaves, spec) == (nested_args, nested_kwargs)
+    for out in (a, (a, b), [a, {"k": b}], (a, 3)):
+        cloned = _clone_outputs(out)
+        assert type(cloned) is type(out)
+        got, want = pytree.tree_leaves(cloned), pytree.tree_leaves(out)
+        assert all((g is w) if not isinstance(w, torch.Tensor) else (torch.equal(g, w) and g is not w)
+                   for g, w in zip(got, want, strict=True))
+
+
 def test_a_failed_capture_runs_the_call_eagerly_and_turns_graphs_off(flux):
     x, ref, handle, _ = _offloaded(flux, fail=RuntimeError("operation not permitted when stream is capturing"))
     with torch.no_grad():
