@@ -1811,6 +1811,28 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// `unit`'s bytes from the two-pass encoder, and the fused encoder's unit and buffer (of
+    /// `coded_capacity` bytes), both buffers filled with 0xa5 first.
+    fn encode_both(
+        unit: &CodedUnit,
+        specs: &[TensorSpec],
+        tensors: &[(usize, usize)],
+        code: codec::Code,
+        limit: usize,
+    ) -> (Vec<u8>, CodedUnit, Vec<u8>) {
+        let mut want = vec![0xa5u8; unit.nbytes];
+        // SAFETY: the buffer holds the unit, the tensors their bytes; all live.
+        unsafe { encode_unit(unit, tensors, want.as_mut_ptr() as usize) }.unwrap();
+        let cap = coded_capacity(specs).unwrap();
+        let mut got = vec![0xa5u8; cap];
+        // SAFETY: `got` has `cap` bytes, the tensors their bytes; all live.
+        let fused = unsafe {
+            encode_unit_fused(specs, tensors, code, limit, got.as_mut_ptr() as usize, cap)
+        }
+        .unwrap();
+        (want, fused, got)
+    }
+
     #[test]
     fn the_fused_fixed_code_leaves_chunks_not_worth_coding_to_the_raw_pass() {
         // the one-pass code places a chunk before counting it: a chunk over the landing limit, an
@@ -1866,34 +1888,10 @@ mod tests {
                 .pieces
                 .iter()
                 .any(|p| p.kind.code() == Some("fixed")));
-            let mut want = vec![0xa5u8; two_pass.nbytes];
-            // SAFETY: the buffer holds the unit, the tensors their bytes; all live.
-            unsafe { encode_unit(&two_pass, &tensors, want.as_mut_ptr() as usize) }.unwrap();
-            let cap = coded_capacity(&specs).unwrap();
-            let mut got = vec![0xa5u8; cap];
-            // SAFETY: `got` has `cap` bytes, the tensors their bytes; all live.
-            let fused = unsafe {
-                encode_unit_fused(
-                    &specs,
-                    &tensors,
-                    codec::Code::Fixed,
-                    limit,
-                    got.as_mut_ptr() as usize,
-                    cap,
-                )
-            }
-            .unwrap();
+            let (want, fused, got) =
+                encode_both(&two_pass, &specs, &tensors, codec::Code::Fixed, limit);
             assert_eq!(fused, two_pass, "limit {limit}");
-            if let Some(i) = (0..fused.nbytes).find(|&i| got[i] != want[i]) {
-                let p = fused
-                    .pieces
-                    .iter()
-                    .find(|p| p.src <= i && i < p.src + p.len);
-                panic!(
-                    "limit {limit}: byte {i} differs ({} against {}), piece {p:?}",
-                    got[i], want[i]
-                );
-            }
+            assert_eq!(&got[..fused.nbytes], &want[..], "limit {limit}");
         }
     }
 
@@ -1960,23 +1958,7 @@ mod tests {
             let mut back = (a.clone(), vec![0u8; b.len()], c.clone());
             back.0.fill(0);
             back.2.fill(0);
-            let mut want = vec![0xa5u8; two_pass.nbytes];
-            // SAFETY: the buffer holds the unit, the tensors their bytes; all live.
-            unsafe { encode_unit(&two_pass, &tensors, want.as_mut_ptr() as usize) }.unwrap();
-            let cap = coded_capacity(&specs).unwrap();
-            let mut got = vec![0xa5u8; cap];
-            // SAFETY: `got` has `cap` bytes, the tensors their bytes; all live.
-            let fused = unsafe {
-                encode_unit_fused(
-                    &specs,
-                    &tensors,
-                    code,
-                    usize::MAX,
-                    got.as_mut_ptr() as usize,
-                    cap,
-                )
-            }
-            .unwrap();
+            let (want, fused, mut got) = encode_both(&two_pass, &specs, &tensors, code, usize::MAX);
             assert_eq!(fused, two_pass);
             assert_eq!(&got[..fused.nbytes], &want[..]);
             let outs = [
