@@ -4,9 +4,12 @@ call is Flux's while the device's is small), offloaded on the GPU with graphs on
 after each synchronize, then profiled with ``cProfile`` over the same calls:
 
     python -m benchmarks.graph_host --budget min --out "$OUT/graph-host"
+    python -m benchmarks.graph_host --budget min --device-launch-copies   # the streamed graph launched for the device
 
-Prints and writes (``graph_host.json``, ``graph_host.txt``): the median host seconds of a call, the
-runner's own (``report()["graph"]``), the graph launch alone, the profile's top entries, and each
+Prints and writes (``graph_host.json``, ``graph_host.txt``): the median host seconds of a call and
+its device seconds (CUDA events around it), the runner's own (``report()["graph"]``, its phases: the
+key and checks, the inputs' copy, the launch, the rest), each graph's nodes by kind
+(``census``), the profile's top entries, and each
 per-call check timed alone (``checks``: the full hook scan against the watch of its dicts, the
 resident tensors' addresses by a ``data_ptr`` loop against torch's one call, the current stream as a
 ``torch.cuda.Stream`` against its raw handle). Needs CUDA.
@@ -31,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="min", help="'min', 'resident' or GiB (default min)")
     p.add_argument("--device", default="cuda", help="cuda (default); cpu runs the same calls eagerly (a dry run)")
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--device-launch-copies", action="store_true",
+                   help="an experiment: device launch for graphs that stream units too (off in the product: "
+                        "such a step ran 1.5x slower at 512x512 in session 8)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -52,15 +58,26 @@ def main(argv: list[str] | None = None) -> int:
     budget = (None if args.budget == "resident" else "min" if args.budget == "min"
               else int(float(args.budget) * (1 << 30)))
     handle = ddo_blocks.offload(model, vram_budget=budget, device=dev, graph=True, units="block")  # Flux's 57 units
+    runner = handle.engine.scheduler.graph
+    if args.device_launch_copies and runner is not None and runner.backend is not None:
+        runner.backend.device_launch_copies = True
     host: list[float] = []
+    device_s: list[float] = []
     with torch.no_grad():
         for _ in range(6):  # warm-up, the capture, a replay per slot state
             model(**x)
         sync()
         for _ in range(args.calls):
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             t0 = time.perf_counter()
             model(**x)
             host.append(time.perf_counter() - t0)
+            if dev.type == "cuda":
+                end.record()
+                end.synchronize()
+                device_s.append(start.elapsed_time(end) / 1e3)
             sync()
         prof = cProfile.Profile()
         for _ in range(args.calls):
@@ -69,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             prof.disable()
             sync()
     checks = _checks(model, handle, dev)
+    census = _census(runner, dev)
     section = handle.report()["graph"]
     plan = handle.report()["plan"]
     handle.remove()
@@ -78,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "modules": sum(1 for _ in model.modules()), "parameters": sum(1 for _ in model.parameters()),
            "plan": {k: plan.get(k) for k in ("slots", "streamed_bytes", "resident_bytes", "units")},
-           "host_call_s": statistics.median(host), "host_call_min_s": min(host), "checks": checks, "graph": section}
+           "device_launch_copies": args.device_launch_copies,
+           "host_call_s": statistics.median(host), "host_call_min_s": min(host),
+           "device_call_s": statistics.median(device_s) if device_s else None,
+           "host_phases_s": section.get("host_phases_s"), "census": census, "checks": checks, "graph": section}
     print(json.dumps({k: v for k, v in doc.items() if k != "graph"}, indent=1))
     print(json.dumps(section, indent=1))
     print(text.getvalue())
@@ -87,6 +108,21 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "graph_host.json").write_text(json.dumps(doc, indent=1))
         (args.out / "graph_host.txt").write_text(text.getvalue())
     return 0
+
+
+def _census(runner: Any, dev: Any) -> list[dict[str, int]] | str:
+    """Each captured graph's nodes by kind and its edges (``_native.graph_census``)."""
+    from ddo_blocks import _native
+
+    if runner is None or dev.type != "cuda":
+        return "no graphs on this device"
+    out = []
+    for captured in runner._graphs.values():
+        g = getattr(captured.graph, "g", None)
+        if g is None or not getattr(captured.graph, "kept", False):
+            return "this torch does not keep its graphs (keep_graph=True)"
+        out.append(_native.graph_census(g.raw_cuda_graph(), dev.index or 0))
+    return out
 
 
 def _median_s(fn: Any, n: int = 500) -> float:

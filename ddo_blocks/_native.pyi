@@ -349,6 +349,10 @@ class DeviceGraph:
     def launch(self, stream: int) -> None:
         """Launches the graph on ``stream`` (a ``cuda_stream`` handle of its device)."""
 
+def graph_census(raw_graph: int, device: int) -> dict[str, int]:
+    """``{kind: count}`` of a captured graph's nodes (``memcpy_htod`` apart from other copies) and its
+    ``"edges"``; ``CudaError`` where the driver cannot list it."""
+
 class TreeWatch:
     """Every dict a scan of modules reads, with CPython's version tag of each (``guards.HookScan``)."""
 

@@ -50,6 +50,12 @@ def test_replays_equal_the_resident_forward(budget_name):
     else:
         assert g["device_launch"] == "yes", g
     assert g["host_replay_s"] < 0.005, g  # no per-unit Python on a replay
+    # the graphs' nodes: host-to-device copies exactly where units stream
+    runner = handle.engine.scheduler.graph
+    for captured in runner._graphs.values():
+        census = ddo_blocks._native.graph_census(captured.graph.g.raw_cuda_graph(), 0)
+        assert census.get("kernel", 0) > 0 and census["edges"] > 0, census
+        assert (census.get("memcpy_htod", 0) >= n) if n else "memcpy_htod" not in census, (census, n)
     timeline = rep["timeline"]
     assert len(timeline) == 8
     assert timeline[-1]["h2d_bytes"] == timeline[3]["h2d_bytes"] == timeline[2]["h2d_bytes"]  # eager = replay

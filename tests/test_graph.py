@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
@@ -116,6 +117,9 @@ def test_replays_are_exact_and_cycle_through_the_slot_states(flux, units, states
     assert section["host_replay_s"] is not None and section["host_launch_s"] is not None
     # a call's host time holds its key and checks and the replay, which holds the launch
     assert section["host_call_s"] >= section["host_replay_s"] >= section["host_launch_s"] > 0
+    phases = section["host_phases_s"]
+    assert set(phases) == {"checks", "inputs", "launch", "rest"} and min(phases.values()) >= 0, phases
+    assert phases["launch"] == section["host_launch_s"] and phases["inputs"] > 0, phases
     # the scheduler is where an eager call would have left it
     assert len(handle.engine.scheduler.inflight_state()[0]) == k
     assert runner.stats.eager_calls == 3
@@ -438,3 +442,40 @@ def test_device_launch_serves_only_graphs_it_replays_alike(monkeypatch, case):
         expected = {"draws": "draws random numbers", "refused": "CudaError", "other_error": "RuntimeError",
                     "user_generators": "any torch.Generator"}[case]
         assert expected in backend.device_launch, backend.device_launch
+
+
+def test_input_copy_moves_the_bits_of_mixed_dtypes_in_one_view():
+    """The static inputs get the call's bits exactly, each dtype seen as one (NaN payloads, -0.0,
+    0-dim and bool tensors, an empty one); a static tensor passed back is not copied onto itself;
+    an input at an odd offset, which no int16 view takes, is copied as it is."""
+    from ddo_blocks.streaming.graph import InputCopy
+
+    g = torch.Generator().manual_seed(0)
+    def bits(*words: int) -> torch.Tensor:
+        return torch.from_numpy(np.array(words, dtype=np.uint32).view(np.float32))
+
+    nan_payload = bits(0x7FC12345, 0xFFA00001, 0x80000000)  # two NaNs with payloads, -0.0
+    calls = [[torch.randn(3, 5, generator=g).to(torch.bfloat16), nan_payload + 0, torch.tensor(2.5), 7,
+              torch.arange(6, dtype=torch.int64).reshape(2, 3), torch.empty(0, 4)] for _ in range(3)]
+    static = [x.clone() if isinstance(x, torch.Tensor) else None for x in calls[0]]
+    copier = InputCopy(static)
+    assert copier.dtype is torch.int16 and copier.indices == [0, 1, 2, 4]
+    for leaves in calls[1:]:
+        leaves[1] = bits(0x7F812345, 0x00000001, 0xFF800000)  # a signalling NaN, a denormal, -inf
+        copier.copy(leaves)
+        for s, x in zip(static, leaves):
+            if isinstance(x, torch.Tensor) and x.numel():
+                assert torch.equal(s.view(torch.uint8), x.view(torch.uint8)) if s.dim() else torch.equal(s, x)
+    copier.copy([static[0], *calls[2][1:]])  # the static tensor itself: the others still land
+    assert torch.equal(static[4], calls[2][4])
+
+    flags = [torch.tensor([True, False]), torch.zeros(3, dtype=torch.bfloat16)]
+    byte_copier = InputCopy([t.clone() for t in flags])
+    assert byte_copier.dtype is torch.uint8
+    byte_copier.copy([torch.tensor([False, True]), torch.ones(3, dtype=torch.bfloat16)])
+    assert byte_copier.static[0].tolist() == [False, True] and byte_copier.static[1].tolist() == [1, 1, 1]
+
+    strided = InputCopy([torch.zeros(4, dtype=torch.float32), torch.zeros(2, dtype=torch.bfloat16)])
+    src = torch.arange(8, dtype=torch.float32)[::2]  # no int16 view of a strided last dimension
+    strided.copy([src, torch.ones(2, dtype=torch.bfloat16)])
+    assert torch.equal(strided.static[0], src) and strided.static[1].tolist() == [1, 1]

@@ -51,6 +51,7 @@ import operator
 import statistics
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -90,6 +91,16 @@ class GraphStats:
     host_s: list[float] = field(default_factory=list)
     launch_s: list[float] = field(default_factory=list)
     call_s: list[float] = field(default_factory=list)
+    checks_s: list[float] = field(default_factory=list)
+    """Per replayed call: the key and the checks before the replay (``call_s`` less ``host_s``)."""
+    inputs_s: list[float] = field(default_factory=list)
+    """Per replayed call: the copy of the inputs into the static tensors."""
+
+    def keep(self, **times: float) -> None:
+        for name, value in times.items():
+            kept = getattr(self, name)
+            kept.append(value)
+            del kept[:-MAX_HOST_TIMES]
 
 
 class TorchGraphs:
@@ -109,6 +120,10 @@ class TorchGraphs:
     device launch serves graphs without copies (every unit resident). A graph the driver refuses
     keeps torch's replay. The decision is made before the second replay launches anything.
     :attr:`device_launch` says why not."""
+
+    device_launch_copies = False
+    """An experiment's switch (``benchmarks.graph_host --device-launch-copies``): device launch for
+    graphs that stream units too."""
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
@@ -139,7 +154,7 @@ class TorchGraphs:
             # decided before this call launches anything: an error (or an interrupt) here leaves
             # the call unlaunched, as the runner then takes it
             graph.tried = True
-            graph.fast, self.device_launch = _device_launch(graph)
+            graph.fast, self.device_launch = _device_launch(graph, self.device_launch_copies)
         if graph.fast is not None:
             graph.fast.launch(_raw_stream(graph.device))
             return
@@ -224,11 +239,12 @@ def _user_generators_capture(device: torch.device) -> bool:
     return lazy
 
 
-def _device_launch(graph: _Graph) -> tuple[Any, str | None]:
-    """The device-launch executable of ``graph`` after its first replay, or ``None`` and why not."""
+def _device_launch(graph: _Graph, copies: bool = False) -> tuple[Any, str | None]:
+    """The device-launch executable of ``graph`` after its first replay, or ``None`` and why not
+    (``copies``: a graph that streams units too)."""
     if graph.draws:
         return None, "the graph draws random numbers (torch's replay advances their offset)"
-    if graph.copies:
+    if graph.copies and not copies:
         return None, ("the graph streams units: launched for the device, the streamed step at 512x512 and 16 GiB "
                       "ran 1.5x slower than eager on the H200 (not profiled)")
     if not graph.kept or not hasattr(graph.g, "raw_cuda_graph"):
@@ -350,6 +366,49 @@ def _signature(leaves: list[Any], spec: Any, device: torch.device, module: nn.Mo
     return tuple(parts), None
 
 
+class InputCopy:
+    """Copies a call's input tensors into a graph's static ones in one dispatch of
+    ``torch._foreach_copy_``. That dispatch takes its fast route (one multi-tensor kernel) only when
+    every tensor has one dtype; a call's inputs mix them (Flux: bf16 latents and embeddings, a float32
+    guidance), and the per-tensor route is a dispatch and a copy launch per tensor (0.08-0.1 ms of a
+    replayed call's host time for Flux's seven on the H200, under a profiler). So where the static tensors are contiguous and of several dtypes,
+    each pair is copied as its bytes seen as one dtype (``int16`` where every element is 2 bytes or
+    more, else ``uint8``): the same bits land, NaN payloads included. A call whose tensor cannot be
+    seen so (an odd storage offset) copies as before. Pairs where the input is the static tensor
+    itself, or empty, are skipped."""
+
+    def __init__(self, static: list[torch.Tensor | None]):
+        self.indices = [i for i, s in enumerate(static) if s is not None and s.numel() > 0]
+        self.static: list[torch.Tensor] = [static[i] for i in self.indices]  # type: ignore[misc]
+        self.dtype: torch.dtype | None = None
+        if (len({s.dtype for s in self.static}) > 1
+                and all(type(s) is torch.Tensor and s.is_contiguous() for s in self.static)):
+            self.dtype = torch.int16 if min(s.element_size() for s in self.static) >= 2 else torch.uint8
+        self.dst = [self._bytes(s) for s in self.static] if self.dtype is not None else self.static
+
+    def _bytes(self, t: torch.Tensor) -> torch.Tensor:
+        assert self.dtype is not None
+        return (t if t.dim() > 0 else t.view(1)).view(self.dtype)
+
+    def copy(self, leaves: list[Any]) -> None:
+        src = [leaves[i] for i in self.indices]
+        ks: Sequence[int] = range(len(src))
+        if any(x is s for x, s in zip(src, self.static)):  # a static tensor passed back: not onto itself
+            ks = [k for k in ks if src[k] is not self.static[k]]
+            src = [src[k] for k in ks]
+        if not src:
+            return
+        if self.dtype is not None:
+            try:
+                seen = [self._bytes(x) for x in src]
+            except RuntimeError:  # a tensor not viewable so (an odd storage offset): each as it is
+                pass
+            else:
+                torch._foreach_copy_([self.dst[k] for k in ks] if len(ks) < len(self.dst) else self.dst, seen)
+                return
+        torch._foreach_copy_([self.static[k] for k in ks] if len(ks) < len(self.static) else self.static, src)
+
+
 _PROCESSOR = operator.attrgetter("processor")
 
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
@@ -413,6 +472,7 @@ class GraphRunner:
         self._key: Any = None
         self._same_key_calls = 0
         self._static: list[torch.Tensor] | None = None
+        self._copier: InputCopy | None = None
         self._graphs: dict[tuple, Captured] = {}
         self._side: torch.cuda.Stream | None = None
         self._last_done: Any = None
@@ -541,6 +601,7 @@ class GraphRunner:
         if self._static is None:
             self._static = [x.detach().clone(memory_format=torch.preserve_format) if isinstance(x, torch.Tensor)
                             else None for x in leaves]
+            self._copier = InputCopy(self._static)
         else:
             self._copy_inputs(leaves)
         s_args, s_kwargs = _unflatten([s if s is not None else x for s, x in zip(self._static, leaves)], spec)
@@ -623,11 +684,8 @@ class GraphRunner:
     def _copy_inputs(self, leaves: list[Any]) -> None:
         """Copies the call's tensors into the static inputs the graph reads (every call: a tensor may
         have been written in place in ways its version counter does not see, ``.data`` writes)."""
-        assert self._static is not None
-        pairs = [(s, x) for s, x in zip(self._static, leaves) if s is not None and x is not s]
-        if pairs:  # one dispatch for all of them (each copy_ its own: 15 us apiece on the H200's host)
-            dst, src = zip(*pairs)
-            torch._foreach_copy_(list(dst), list(src))
+        assert self._copier is not None
+        self._copier.copy(leaves)
 
     def _replay(self, captured: Captured, leaves: list[Any], copy_inputs: bool, t_call: float | None = None) -> Any:
         """Replays ``captured``; ``t_call``: when the call began (the key and the checks before it
@@ -638,9 +696,11 @@ class GraphRunner:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         engine.call_started()
         try:
+            t_inputs = time.perf_counter()
             if copy_inputs:
                 self._wait_last(stream)
                 self._copy_inputs(leaves)
+            inputs_s = time.perf_counter() - t_inputs
             start = end = None
             if stream is not None:
                 start = torch.cuda.Event(enable_timing=True)
@@ -669,13 +729,10 @@ class GraphRunner:
         self.reason = None
         host_s = time.perf_counter() - t0
         if captured.replays > 1:  # a graph's first launch uploads it: part of its capture, not a replay's cost
-            self.stats.host_s.append(host_s)
-            self.stats.launch_s.append(launch_s)
-            del self.stats.host_s[:-MAX_HOST_TIMES], self.stats.launch_s[:-MAX_HOST_TIMES]
+            self.stats.keep(host_s=host_s, launch_s=launch_s, inputs_s=inputs_s)
         call_s = time.perf_counter() - t_call if t_call is not None else host_s
         if captured.replays > 1 and t_call is not None:
-            self.stats.call_s.append(call_s)
-            del self.stats.call_s[:-MAX_HOST_TIMES]
+            self.stats.keep(call_s=call_s, checks_s=t0 - t_call)
         sched.record_replay(start, end, captured.h2d_bytes, call_s)
         return out
 
@@ -689,7 +746,7 @@ class GraphRunner:
         if self._last_done is not None:
             self._last_done.synchronize()
         self._graphs.clear()
-        self._static = None
+        self._static = self._copier = None
         self._same_key_calls = 0
         if hasattr(self.backend, "new_pool"):
             self.backend.new_pool()
@@ -708,6 +765,17 @@ class GraphRunner:
             return "yes"
         return "no: " + (getattr(self.backend, "device_launch", None) or "not for every graph")
 
+    def _phases(self) -> dict[str, float] | None:
+        """Where a replayed call's host time goes, medians: the key and checks before the replay, the
+        inputs' copy, the launch, and the rest of the replay (the slots' waits and fences, the
+        outputs' clones, the timing events)."""
+        st = self.stats
+        if not st.call_s or not st.host_s:
+            return None
+        med = statistics.median
+        return {"checks": med(st.checks_s), "inputs": med(st.inputs_s), "launch": med(st.launch_s),
+                "rest": max(0.0, med(st.host_s) - med(st.inputs_s) - med(st.launch_s))}
+
     def section(self) -> dict[str, Any]:
         host = self.stats.host_s
         return {
@@ -723,5 +791,6 @@ class GraphRunner:
             "host_replay_s": statistics.median(host) if host else None,
             "host_launch_s": statistics.median(self.stats.launch_s) if self.stats.launch_s else None,
             "host_call_s": statistics.median(self.stats.call_s) if self.stats.call_s else None,
+            "host_phases_s": self._phases(),
             "device_launch": self._device_launch(),
         }

@@ -99,3 +99,127 @@ impl Drop for GraphExec {
         }
     }
 }
+
+/// What a captured graph holds, by node kind (host-to-device copies apart from other copies), and
+/// its edges: what a launch from the host pays for (PyTorch's launch costs per copy and memset node).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct GraphCensus {
+    /// `(kind, count)`, sorted by kind.
+    pub kinds: Vec<(&'static str, usize)>,
+    /// Dependencies between nodes.
+    pub edges: usize,
+}
+
+fn node_kind(raw: u32) -> &'static str {
+    match raw {
+        0 => "kernel",
+        1 => "memcpy",
+        2 => "memset",
+        3 => "host",
+        4 => "child_graph",
+        5 => "empty",
+        6 => "event_wait",
+        7 => "event_record",
+        8 | 9 => "semaphore",
+        10 => "mem_alloc",
+        11 => "mem_free",
+        12 => "batch_mem_op",
+        13 => "conditional",
+        _ => "other",
+    }
+}
+
+fn copy_kind(src: u32, dst: u32) -> &'static str {
+    // CU_MEMORYTYPE_HOST = 1, _DEVICE = 2, _ARRAY = 3, _UNIFIED = 4 (a pointer the driver resolves:
+    // the runtime's cudaMemcpyAsync may capture either side so)
+    match (src, dst) {
+        (1, 2) => "memcpy_htod",
+        (2, 2) => "memcpy_dtod",
+        (4, _) | (_, 4) => "memcpy_unified",
+        _ => "memcpy_other",
+    }
+}
+
+/// Counts the nodes of `graph` by kind and its edges.
+///
+/// # Safety
+/// `graph` is a live `CUgraph` of device `ordinal`'s primary context, neither changed nor
+/// destroyed during the call.
+pub unsafe fn census(graph: u64, ordinal: usize) -> Result<GraphCensus> {
+    let _ctx = bind_primary(ordinal)?;
+    let g = graph as usize as sys::CUgraph;
+    let mut n = 0usize;
+    // SAFETY: a null node array asks for the count only; the caller guarantees `graph`.
+    check(
+        unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) },
+        "cuGraphGetNodes",
+        "counting a graph's nodes",
+    )?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` holds `n` entries, the count the driver gave for this unchanged graph.
+    check(
+        unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n) },
+        "cuGraphGetNodes",
+        "listing a graph's nodes",
+    )?;
+    nodes.truncate(n);
+    let mut counts = std::collections::BTreeMap::<&'static str, usize>::new();
+    for &node in &nodes {
+        let mut raw = 0u32;
+        // SAFETY: `node` belongs to the live graph; the kind is written as the enum's 32-bit value
+        // and read as a plain integer, so a kind newer than these bindings is no invalid enum.
+        check(
+            unsafe { sys::cuGraphNodeGetType(node, (&mut raw as *mut u32).cast()) },
+            "cuGraphNodeGetType",
+            "reading a graph node's kind",
+        )?;
+        let mut kind = node_kind(raw);
+        if raw == 1 {
+            let mut params = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
+            // SAFETY: a memcpy node of the live graph; the driver fills the whole struct, whose memory
+            // types are read as plain integers (never as the enum).
+            check(
+                unsafe { sys::cuGraphMemcpyNodeGetParams(node, params.as_mut_ptr()) },
+                "cuGraphMemcpyNodeGetParams",
+                "reading a graph copy's parameters",
+            )?;
+            let p = params.as_ptr();
+            // SAFETY: `p` points to the initialised struct above; the fields are 32-bit enums.
+            let (src, dst) = unsafe {
+                (
+                    std::ptr::addr_of!((*p).srcMemoryType).cast::<u32>().read(),
+                    std::ptr::addr_of!((*p).dstMemoryType).cast::<u32>().read(),
+                )
+            };
+            kind = copy_kind(src, dst);
+        }
+        *counts.entry(kind).or_default() += 1;
+    }
+    let mut edges = 0usize;
+    // SAFETY: null arrays ask for the count only.
+    check(
+        unsafe { sys::cuGraphGetEdges(g, std::ptr::null_mut(), std::ptr::null_mut(), &mut edges) },
+        "cuGraphGetEdges",
+        "counting a graph's edges",
+    )?;
+    Ok(GraphCensus {
+        kinds: counts.into_iter().collect(),
+        edges,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_and_copy_kinds_are_named() {
+        assert_eq!(node_kind(0), "kernel");
+        assert_eq!(node_kind(7), "event_record");
+        assert_eq!(node_kind(99), "other");
+        assert_eq!(copy_kind(1, 2), "memcpy_htod");
+        assert_eq!(copy_kind(2, 2), "memcpy_dtod");
+        assert_eq!(copy_kind(4, 2), "memcpy_unified");
+        assert_eq!(copy_kind(2, 1), "memcpy_other");
+    }
+}

@@ -36,7 +36,7 @@ pub use driver::{
 };
 pub use error::{CudaError, Result};
 pub use event::Event;
-pub use graph::GraphExec;
+pub use graph::{census as graph_census, GraphCensus, GraphExec};
 pub use host::{
     copy_host, copy_host_many, read_fd_into, read_file_into, HostBuffer, HostRegistration,
 };

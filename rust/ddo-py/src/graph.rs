@@ -1,6 +1,8 @@
 //! A graph PyTorch captured, instantiated again for device launch (`ddo_cuda::GraphExec`): the
 //! replay of `ddo_blocks.streaming.graph.TorchGraphs` where the driver allows it.
 
+use std::collections::BTreeMap;
+
 use ddo_cuda::{GraphExec, Stream};
 use pyo3::prelude::*;
 
@@ -38,6 +40,20 @@ impl DeviceGraph {
     }
 }
 
+/// `{kind: count}` of the nodes of `raw_graph` (`CUDAGraph.raw_cuda_graph()`) of device `device`,
+/// host-to-device copies apart from other copies, and `"edges"`: what a launch from the host pays
+/// for. `CudaError` where the driver cannot list the graph.
+#[pyfunction]
+fn graph_census(raw_graph: u64, device: usize) -> PyResult<BTreeMap<&'static str, usize>> {
+    // SAFETY: the caller passes the graph of a live CUDAGraph it keeps (keep_graph=True), of that
+    // device, not changed while this runs.
+    let census = unsafe { ddo_cuda::graph_census(raw_graph, device) }.map_err(cuda_err)?;
+    let mut out: BTreeMap<&'static str, usize> = census.kinds.into_iter().collect();
+    out.insert("edges", census.edges);
+    Ok(out)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<DeviceGraph>()
+    m.add_class::<DeviceGraph>()?;
+    m.add_function(wrap_pyfunction!(graph_census, m)?)
 }
