@@ -5,6 +5,7 @@ after each synchronize, then profiled with ``cProfile`` over the same calls:
 
     python -m benchmarks.graph_host --budget min --out "$OUT/graph-host"
     python -m benchmarks.graph_host --budget min --device-launch-copies   # the streamed graph launched for the device
+    python -m benchmarks.graph_host --full --budget 16 --calls 10 [--device-launch-copies]   # full width, 512x512
 
 Prints and writes (``graph_host.json``, ``graph_host.txt``): the median host seconds of a call and
 its device seconds (CUDA events around it), the runner's own (``report()["graph"]``, its phases: the
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-launch-copies", action="store_true",
                    help="an experiment: device launch for graphs that stream units too (off in the product: "
                         "such a step ran 1.5x slower at 512x512 in session 8)")
+    p.add_argument("--full", action="store_true",
+                   help="the Flux-dev-sized transformer (built on the device, offloaded from the host) instead of "
+                        "the tiny-width tree: the device time then shows whether copies still overlap compute")
+    p.add_argument("--resolution", type=int, default=512, help="image side with --full (default 512)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -45,16 +50,26 @@ def main(argv: list[str] | None = None) -> int:
     import ddo_blocks
     from ddo_blocks.tiny import flux_inputs
 
-    from .model import TINY, random_model
+    from .model import FLUX_DEV, TINY, make_inputs, random_model
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu for a dry run)", file=sys.stderr)
         return 2
-    cfg = {**TINY, "num_layers": 19, "num_single_layers": 38}
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    model = random_model(cfg, torch.device("cpu"))
-    x = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in flux_inputs(model).items()}
+    if args.full and dev.type != "cuda":
+        print("--full needs CUDA (the 22 GiB model is built on the device)", file=sys.stderr)
+        return 2
+    if args.full:
+        model = random_model(FLUX_DEV, dev).to("cpu")
+        side = args.resolution // 16
+        x = make_inputs(model, height_tokens=side, width_tokens=side, text_tokens=512, device=dev,
+                        dtype=torch.bfloat16)
+        sync()
+    else:
+        model = random_model({**TINY, "num_layers": 19, "num_single_layers": 38}, torch.device("cpu"))
+        x = flux_inputs(model)
+    x = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
     budget = (None if args.budget == "resident" else "min" if args.budget == "min"
               else int(float(args.budget) * (1 << 30)))
     handle = ddo_blocks.offload(model, vram_budget=budget, device=dev, graph=True, units="block")  # Flux's 57 units
