@@ -116,8 +116,10 @@ class TorchGraphs:
     default generator's offset keeps torch's replay, and so does every graph where this torch lets a
     capture draw from a generator of the user's (:func:`_user_generators_capture`: their offsets are
     out of sight). A graph that streams units keeps torch's replay too: launched for the device, the
-    Flux-sized step at 512x512 and 16 GiB ran 1.5x slower than eager on the H200 (not profiled), so
-    device launch serves graphs without copies (every unit resident). A graph the driver refuses
+    Flux-sized step at 512x512 and 16 GiB ran 1.5x slower than eager on the H200 (session 8), and
+    1.38x slower on the device than the same graph launched by torch (session 15: its copies no
+    longer overlapped the compute), so device launch serves graphs without copies (every unit
+    resident). A graph the driver refuses
     keeps torch's replay. The decision is made before the second replay launches anything.
     :attr:`device_launch` says why not."""
 
@@ -246,7 +248,7 @@ def _device_launch(graph: _Graph, copies: bool = False) -> tuple[Any, str | None
         return None, "the graph draws random numbers (torch's replay advances their offset)"
     if graph.copies and not copies:
         return None, ("the graph streams units: launched for the device, the streamed step at 512x512 and 16 GiB "
-                      "ran 1.5x slower than eager on the H200 (not profiled)")
+                      "ran 1.38-1.5x slower on the H200 (its copies no longer overlapped the compute)")
     if not graph.kept or not hasattr(graph.g, "raw_cuda_graph"):
         return None, "this torch does not keep a captured graph (torch.cuda.CUDAGraph(keep_graph=True))"
     try:

@@ -10,8 +10,9 @@
 //! kernels on the same addresses. Instantiation fails with the driver's error for a graph that
 //! device launch does not allow (other node types than kernels, copies and memsets, memory of
 //! several devices); the caller then keeps PyTorch's launch. A streamed Flux step (host-to-device
-//! copies on a second stream) ran 1.5x slower launched this way at 512x512 on the H200 (not
-//! profiled), so the Python side uses it only for graphs without copies.
+//! copies on a second stream) ran 1.38-1.5x slower launched this way at 512x512 on the H200 (its
+//! copies no longer overlapped the compute), so the Python side uses it only for graphs without
+//! copies.
 
 use cudarc::driver::sys;
 
