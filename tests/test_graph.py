@@ -118,7 +118,8 @@ def test_replays_are_exact_and_cycle_through_the_slot_states(flux, units, states
     # a call's host time holds its key and checks and the replay, which holds the launch
     assert section["host_call_s"] >= section["host_replay_s"] >= section["host_launch_s"] > 0
     phases = section["host_phases_s"]
-    assert set(phases) == {"checks", "inputs", "launch", "rest"} and min(phases.values()) >= 0, phases
+    assert set(phases) == {"signature", "hooks", "state", "inputs", "launch", "rest"}, phases
+    assert min(phases.values()) >= 0 and phases["signature"] > 0 and phases["hooks"] > 0, phases
     assert phases["launch"] == section["host_launch_s"] and phases["inputs"] > 0, phases
     # the scheduler is where an eager call would have left it
     assert len(handle.engine.scheduler.inflight_state()[0]) == k

@@ -91,8 +91,13 @@ class GraphStats:
     host_s: list[float] = field(default_factory=list)
     launch_s: list[float] = field(default_factory=list)
     call_s: list[float] = field(default_factory=list)
-    checks_s: list[float] = field(default_factory=list)
-    """Per replayed call: the key and the checks before the replay (``call_s`` less ``host_s``)."""
+    signature_s: list[float] = field(default_factory=list)
+    """Per replayed call: the inputs' flattening and signature (shapes, dtypes, modes)."""
+    hooks_s: list[float] = field(default_factory=list)
+    """Per replayed call: the hook scan (``guards.HookScan``: the watch of the tree's dicts)."""
+    state_s: list[float] = field(default_factory=list)
+    """Per replayed call: the module's state in the key (the resident tensors' addresses, the
+    processors), the key's comparison and the slots' state, up to the replay."""
     inputs_s: list[float] = field(default_factory=list)
     """Per replayed call: the copy of the inputs into the static tensors."""
 
@@ -517,11 +522,13 @@ class GraphRunner:
             return sched.eager_call(method, args, kwargs)
         leaves, spec = _flatten(args, kwargs)
         key, why = _signature(leaves, spec, self.device, sched.module)
+        t_signature = time.perf_counter()
         if key is None:
             self._forget()
             self._key = None
             return self._eager(method, args, kwargs, why)  # its own checks scan the hooks
         torch_hooks, (on_top, stateful) = sched.hook_scan.scan()
+        t_hooks = time.perf_counter()
         tree = torch_hooks[2]
         if tree != self._tree:
             swapped = self._tree_changed(tree)
@@ -541,7 +548,7 @@ class GraphRunner:
         state = sched.inflight_state()
         captured = self._graphs.get(state)
         if captured is not None:
-            return self._replay(captured, leaves, copy_inputs=True, t_call=t_call)
+            return self._replay(captured, leaves, copy_inputs=True, marks=(t_call, t_signature, t_hooks))
         why = self._not_ready(state)
         if why is None:
             out = self._capture(method, leaves, spec, state)
@@ -689,9 +696,11 @@ class GraphRunner:
         assert self._copier is not None
         self._copier.copy(leaves)
 
-    def _replay(self, captured: Captured, leaves: list[Any], copy_inputs: bool, t_call: float | None = None) -> Any:
-        """Replays ``captured``; ``t_call``: when the call began (the key and the checks before it
-        count in the call's host time), ``None`` for the replay that ends a capture."""
+    def _replay(self, captured: Captured, leaves: list[Any], copy_inputs: bool,
+                marks: tuple[float, float, float] | None = None) -> Any:
+        """Replays ``captured``; ``marks``: when the call began, when its signature and when its hook
+        scan were done (the key and the checks before the replay count in the call's host time),
+        ``None`` for the replay that ends a capture."""
         sched, engine = self.scheduler, self.engine
         t0 = time.perf_counter()
         sched.check_grad()  # the hooks were looked at in call()
@@ -732,9 +741,11 @@ class GraphRunner:
         host_s = time.perf_counter() - t0
         if captured.replays > 1:  # a graph's first launch uploads it: part of its capture, not a replay's cost
             self.stats.keep(host_s=host_s, launch_s=launch_s, inputs_s=inputs_s)
-        call_s = time.perf_counter() - t_call if t_call is not None else host_s
-        if captured.replays > 1 and t_call is not None:
-            self.stats.keep(call_s=call_s, checks_s=t0 - t_call)
+        call_s = time.perf_counter() - marks[0] if marks is not None else host_s
+        if captured.replays > 1 and marks is not None:
+            t_call, t_signature, t_hooks = marks
+            self.stats.keep(call_s=call_s, signature_s=t_signature - t_call, hooks_s=t_hooks - t_signature,
+                            state_s=t0 - t_hooks)
         sched.record_replay(start, end, captured.h2d_bytes, call_s)
         return out
 
@@ -768,14 +779,15 @@ class GraphRunner:
         return "no: " + (getattr(self.backend, "device_launch", None) or "not for every graph")
 
     def _phases(self) -> dict[str, float] | None:
-        """Where a replayed call's host time goes, medians: the key and checks before the replay, the
-        inputs' copy, the launch, and the rest of the replay (the slots' waits and fences, the
-        outputs' clones, the timing events)."""
+        """Where a replayed call's host time goes, medians: before the replay the signature, the hook
+        scan and the module's state (:class:`GraphStats`); in it the inputs' copy, the launch, and the
+        rest (the slots' waits and fences, the outputs' clones, the timing events)."""
         st = self.stats
         if not st.call_s or not st.host_s:
             return None
         med = statistics.median
-        return {"checks": med(st.checks_s), "inputs": med(st.inputs_s), "launch": med(st.launch_s),
+        return {"signature": med(st.signature_s), "hooks": med(st.hooks_s), "state": med(st.state_s),
+                "inputs": med(st.inputs_s), "launch": med(st.launch_s),
                 "rest": max(0.0, med(st.host_s) - med(st.inputs_s) - med(st.launch_s))}
 
     def section(self) -> dict[str, Any]:
