@@ -51,7 +51,6 @@ import operator
 import statistics
 import time
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -398,22 +397,20 @@ class InputCopy:
         return (t if t.dim() > 0 else t.view(1)).view(self.dtype)
 
     def copy(self, leaves: list[Any]) -> None:
-        src = [leaves[i] for i in self.indices]
-        ks: Sequence[int] = range(len(src))
-        if any(x is s for x, s in zip(src, self.static)):  # a static tensor passed back: not onto itself
-            ks = [k for k in ks if src[k] is not self.static[k]]
-            src = [src[k] for k in ks]
-        if not src:
+        # a static tensor passed back is not copied onto itself
+        ks = [k for k, i in enumerate(self.indices) if leaves[i] is not self.static[k]]
+        if not ks:
             return
+        src = [leaves[self.indices[k]] for k in ks]
         if self.dtype is not None:
             try:
                 seen = [self._bytes(x) for x in src]
             except RuntimeError:  # a source not viewable so (a strided last dimension): each as it is
                 pass
             else:
-                torch._foreach_copy_([self.dst[k] for k in ks] if len(ks) < len(self.dst) else self.dst, seen)
+                torch._foreach_copy_([self.dst[k] for k in ks], seen)
                 return
-        torch._foreach_copy_([self.static[k] for k in ks] if len(ks) < len(self.static) else self.static, src)
+        torch._foreach_copy_([self.static[k] for k in ks], src)
 
 
 _PROCESSOR = operator.attrgetter("processor")
