@@ -85,36 +85,51 @@ class _Phases:
     """Times the phases of one pipeline call from hooks on the denoiser (the device synchronised at
     each step's start and end): encode = call start to the first denoiser step, denoise = first step
     start to last step end, decode = the rest (VAE decode and post-processing). Samples the driver's
-    used memory (``cudaMemGetInfo``) at each step boundary."""
+    used memory (``cudaMemGetInfo``) at each step boundary, and PyTorch's peak allocated between
+    boundaries: a phase's activations are that peak less what was allocated when the phase began
+    (encode; each step, the scheduler's work after it counted with it; decode)."""
 
     def __init__(self, denoiser: torch.nn.Module, device: torch.device):
         self.device = device
         self.first: float | None = None
         self.last: float | None = None
         self.used_peak = 0
+        self.alloc_peak = 0
+        self.activations = {"encode": 0, "denoise": 0, "decode": 0}
+        self._phase = "encode"
+        self._start_alloc = 0
         self.filled = _FILLED.get(device.index or 0, 0) if device.type == "cuda" else 0
         self._hooks = [denoiser.register_forward_pre_hook(self._pre), denoiser.register_forward_hook(self._post)]
 
-    def _mark(self) -> float:
+    def _mark(self, ends: str | None, then: str) -> float:
+        """A boundary: the segment since the last one belongs to phase ``ends`` (``None``: nothing
+        before it), the next one to ``then``."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             self.used_peak = max(self.used_peak, total - free - self.filled)
+            peak, now = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device)
+            self.alloc_peak = max(self.alloc_peak, peak - self.filled)
+            if ends is not None:
+                self.activations[ends] = max(self.activations[ends], peak - self._start_alloc)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start_alloc = now
+        self._phase = then
         return time.perf_counter()
 
     def _pre(self, *_: Any) -> None:
-        t = self._mark()
+        t = self._mark("encode" if self._phase == "encode" else "denoise", "denoise")
         if self.first is None:
             self.first = t
 
     def _post(self, *_: Any) -> None:
-        self.last = self._mark()
+        self.last = self._mark("denoise", "after step")
 
     def run(self, fn: Any) -> tuple[Any, dict[str, float]]:
         self.first = self.last = None
-        t0 = self._mark()
+        t0 = self._mark(None, "encode")
         out = fn()
-        t1 = self._mark()
+        t1 = self._mark("decode" if self._phase == "after step" else self._phase, "encode")
         first, last = self.first or t0, self.last or t1
         return out, {"encode_s": first - t0, "denoise_s": last - first, "decode_s": t1 - last, "total_s": t1 - t0}
 
@@ -152,13 +167,8 @@ def _generations(pipe: Any, device: torch.device, call: dict[str, Any], n: int, 
             gens.append({**times, "uploaded_bytes": _uploaded(off) - sent0})
     finally:
         phases.close()
-    return images, gens, {"peak_gpu_allocated": _peak(device) or 0, "peak_driver_used": phases.used_peak}
-
-
-def _peak(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) - _FILLED.get(device.index or 0, 0)
+    return images, gens, {"peak_gpu_allocated": phases.alloc_peak, "peak_driver_used": phases.used_peak,
+                          "activation_bytes": dict(phases.activations) if device.type == "cuda" else None}
 
 
 _FILLED: dict[int, int] = {}
@@ -177,6 +187,24 @@ def _fill_card(device: torch.device, card_gib: float | None) -> torch.Tensor | N
         return None
     _FILLED[device.index or 0] = blocked
     return torch.empty(blocked, dtype=torch.uint8, device=device)
+
+
+def _fitted_budget(device: torch.device, activations: dict[str, int] | None) -> dict[str, Any] | None:
+    """The largest total for a static split on this card (``--budgets auto`` for the linear route and
+    the peers): the free memory ``F`` (as ``vram_budget="auto"`` measures it) less the largest phase
+    activations of the resident row less the margin ``Arena("auto")`` keeps (256 MiB + 5 % of ``F``).
+    A static split holds its weights through every phase, so the VAE decode's activations must fit
+    beside the denoiser's resident weights; the arena gives the decode those pages only while it runs.
+    ``None`` without CUDA (nothing measured)."""
+    if device.type != "cuda" or not activations:
+        return None
+    from ddo_blocks.autobudget import MARGIN_BYTES, MARGIN_FRACTION, free_bytes
+
+    free = free_bytes(device)
+    margin = int(MARGIN_BYTES + MARGIN_FRACTION * free)
+    phase, largest = max(activations.items(), key=lambda kv: kv[1])
+    return {"budget_bytes": max(1, free - largest - margin), "free_bytes": free, "largest_phase": phase,
+            "activation_bytes": largest, "margin_bytes": margin}
 
 
 def _reset(device: torch.device) -> None:
@@ -230,6 +258,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pipe.to("cpu")
     filler = _fill_card(device, args.card)  # noqa: F841 (held for the offloaded rows)
     doc["card_gib"] = args.card
+    fit = _fitted_budget(device, peaks["activation_bytes"])
+    doc["fitted_budget"] = fit
     written()
 
     presets = {"linear": "auto", "vmm": "vmm_fast"}
@@ -249,6 +279,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _reset(device)
             t1 = time.perf_counter()
             own = {_denoiser_name(pipe): {"route": base, **denoiser_options}} if denoiser_options else {}
+            asked_budget = budget
+            if budget == "auto" and base == "linear":  # no arena: the static split that fits the card
+                if fit is None:
+                    rows.append({"pipeline": f"offload_pipeline {route}", "route": route, "vram_budget": budget,
+                                 "error": "the linear route at 'auto' is the static split fitted to the card from the "
+                                          "resident row's measured activations: it needs a CUDA device"})
+                    written()
+                    continue
+                budget = fit["budget_bytes"]
             try:
                 off = ddo_blocks.offload_pipeline(pipe, vram_budget=budget, device=device, preset=presets[base], **own)
             except ddo_blocks.DdoError as exc:
@@ -264,7 +303,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 arena = reports.get("transformer", {}).get("arena")
                 graph = reports.get("transformer", {}).get("graph")
                 rows.append({
-                    "pipeline": f"offload_pipeline {route}", "route": route, "vram_budget": budget,
+                    "pipeline": f"offload_pipeline {route}" + (" (static split fitted to the card)"
+                                                               if budget != asked_budget else ""),
+                    "route": route, "vram_budget": budget, "asked_budget": asked_budget,
+                    "link_gb_s": reports.get(_denoiser_name(pipe), {}).get("roofline", {}).get("link_gb_s"),
                     "setup_s": setup_s, "generations": gens, **peaks, "host_rss_over_baseline": rss,
                     "arena_peak_bytes": arena["peak_device_bytes"] if arena else None,
                     "arena": arena,
@@ -292,7 +334,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _reset(device)
         t1 = time.perf_counter()
         try:
-            note = spec.attach(pipe, device, next((b for b in budgets if b != "auto"), None))
+            note = spec.attach(pipe, device, next((b for b in budgets if b != "auto"),
+                                                  fit["budget_bytes"] if fit else None))
         except Exception as exc:  # a peer that cannot run here (CUDA only, not installed) is a row that says so
             rows.append({"pipeline": spec.label, "route": peer, "vram_budget": None,
                          "error": f"{type(exc).__name__}: {exc}"})
@@ -484,7 +527,49 @@ def markdown(doc: dict[str, Any]) -> str:
         if r.get("policies"):
             lines += ["", f"{r['pipeline']} at {_label(r['vram_budget'])}: "
                       + "; ".join(f"{n}: {d}" for n, d in r["policies"].items())]
+    acts = doc["rows"][0].get("activation_bytes") if doc["rows"] else None
+    if acts:
+        lines += ["", "Activations of the resident row (PyTorch's peak in the phase less what was allocated at its "
+                  "start): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in acts.items())]
+    fit = doc.get("fitted_budget")
+    if fit:
+        lines += ["", f"Static split fitted to the card (`--budgets auto` for the linear route and the peers): free "
+                  f"{fmt_bytes(fit['free_bytes'])} - {fit['largest_phase']} activations "
+                  f"{fmt_bytes(fit['activation_bytes'])} - margin {fmt_bytes(fit['margin_bytes'])} = "
+                  f"{fmt_bytes(fit['budget_bytes'])}"]
+    lines += [f"- {line}" for line in gains(doc["rows"])]
     return "\n".join(lines) + "\n"
+
+
+def _later(row: dict[str, Any], key: str) -> float:
+    """The mean of ``key`` over a row's generations after the first."""
+    later = row["generations"][1:]
+    return sum(g[key] for g in later) / len(later)
+
+
+def gains(rows: list[dict[str, Any]]) -> list[str]:
+    """Per budget asked, the vmm row against the linear row (same codec suffix): the time per image
+    gained in generations 2 onward against the bytes it did not upload over the link (issue target:
+    gain >= fewer bytes / link)."""
+    out = []
+    done = [r for r in rows if not r.get("error") and r.get("generations") and "asked_budget" in r]
+    for v in (r for r in done if r["route"].split("+")[0] == "vmm"):
+        suffix = v["route"].partition("+")[2]
+        lin = next((r for r in done if r["route"] == "+".join(filter(None, ["linear", suffix]))
+                    and r["asked_budget"] == v["asked_budget"]), None)
+        if lin is None or len(v["generations"]) < 2 or len(lin["generations"]) < 2:
+            continue
+        gain = _later(lin, "total_s") - _later(v, "total_s")
+        fewer = _later(lin, "uploaded_bytes") - _later(v, "uploaded_bytes")
+        link = lin.get("link_gb_s") or v.get("link_gb_s")
+        ideal = fewer / (link * 1e9) if link else None
+        out.append(f"{v['route']} against {lin['route']} at {_label(v['asked_budget'])}, generations 2-"
+                   f"{len(v['generations'])}: {_later(lin, 'total_s'):.2f} -> {_later(v, 'total_s'):.2f} s per image "
+                   f"(gain {gain:.3f} s); uploaded {_later(lin, 'uploaded_bytes') / 1e9:.1f} -> "
+                   f"{_later(v, 'uploaded_bytes') / 1e9:.1f} GB per image"
+                   + (f" ({fewer / 1e9:.1f} GB fewer = {ideal:.3f} s at the link's {link:.1f} GB/s); gain / that = "
+                      f"{gain / ideal:.2f}" if ideal else ""))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

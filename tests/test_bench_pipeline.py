@@ -42,13 +42,28 @@ def test_the_pipeline_benchmark_s_other_peers(tmp_path):
     main(["--tiny", "--device", "cpu", "--budgets", "auto", "--routes", "linear,vmm", "--steps", "1",
           "--generations", "1", "--out", str(tmp_path)])
     _, linear, vmm = json.loads((tmp_path / "pipeline.json").read_text())["rows"]
-    assert "'auto' is a budget of one component" in linear["error"] and "needs a CUDA device" in vmm["error"]
+    assert "fitted to the card" in linear["error"] and "needs a CUDA device" in vmm["error"]
     seq = row("sequential_cpu_offload")
     # accelerate's sequential offload may fail on the CPU (a TypeError in set_module_tensor_to_device with
     # this torch): then its row says so; where it runs, one step is run and the denoise scaled to two
     assert seq.get("error") or (seq["steps_run"] == 1 and seq["exact"] is None and "1 steps run" in seq["pipeline"])
     with pytest.raises(SystemExit, match="put it last"):
         main(["--tiny", "--device", "cpu", "--routes", "group_offload,model_cpu_offload", "--out", str(tmp_path)])
+
+
+def test_the_vmm_gain_is_set_against_the_bytes_it_did_not_upload():
+    from benchmarks.pipeline import gains
+
+    def row(route, budget, totals, sent, link=50.0):
+        return {"route": route, "asked_budget": budget, "link_gb_s": link,
+                "generations": [{"total_s": t, "uploaded_bytes": b} for t, b in zip(totals, sent)]}
+
+    rows = [{"route": "resident"}, row("linear", "auto", [9.0, 8.0, 8.2], [9e10, 5e10, 5e10]),
+            row("vmm", "auto", [12.0, 7.0, 7.2], [9e10, 3e10, 3e10]), row("vmm", 8 << 30, [1, 1], [1, 1]),
+            {"route": "linear", "asked_budget": 8 << 30, "error": "BudgetError"}]
+    (line,) = gains(rows)  # the first generation left out; the 8 GiB vmm row has no linear row to meet
+    assert "8.10 -> 7.10 s per image (gain 1.000 s)" in line
+    assert "20.0 GB fewer = 0.400 s at the link's 50.0 GB/s); gain / that = 2.50" in line
 
 
 def test_sdnq_benchmark_runs_on_the_tiny_transformer(tmp_path):
