@@ -176,8 +176,9 @@ def minimum_budget(module: nn.Module, units: str = "auto") -> int:
 def simulate(unit_plan: UnitPlan, unit_compute_s: list[float], slots: int, link: float,
              disk: tuple = ()) -> tuple[float, float]:
     """The simulator's steady step and compute wait for this plan with the given compute times
-    (``disk``: which units come from disk and the disk's rate, for the NVMe route)."""
+    (``disk``: which units come from disk and the disk's rate, for the NVMe route). The step is the
+    planner's: the last simulated pass, never less than the copies' time per pass."""
     sim = _native.simulate(
         unit_plan.link_bytes or unit_plan.unit_bytes, unit_compute_s, unit_plan.native.resident, max(slots, 1), link, 4, *disk,
     )
-    return sim.step_s, sim.compute_wait_s
+    return max(sim.step_s, sim.link_busy_s), sim.compute_wait_s

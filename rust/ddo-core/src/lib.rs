@@ -44,7 +44,7 @@ pub use index::{parse_header, read_shard_index, Header, SafetensorsIndex, Tensor
 pub use layout::{
     align_up, layout_slabs, layout_unit, SlabLayout, UnitLayout, UnitPlacement, ALIGN,
 };
-pub use planner::{minimum_budget, plan, plan_counted, MinimumBudget, Plan, PlanRequest};
+pub use planner::{minimum_budget, plan, plan_counted, MinimumBudget, Plan, PlanCost, PlanRequest};
 pub use reads::{plan_reads, ChunkCopy, ReadChunk, ReadPiece};
 pub use simulate::{check_sim_inputs, simulate, simulate_disk, SimResult, MAX_PASSES, MAX_SLOTS};
 pub use units::fmt_bytes;

@@ -29,7 +29,24 @@
 //! waits on compute; only with per-unit compute times), and none. Each
 //! distinct candidate is scored with [`simulate`]; the lowest predicted step
 //! time wins, ties going to fewer slots, then more resident bytes, then the
-//! earlier candidate. The search is deterministic.
+//! earlier candidate.
+//!
+//! # Refinement
+//!
+//! The fills place resident units by simple rules; where per-unit compute
+//! varies (an image transformer's attention against its modulation
+//! layers) and copies and compute nearly balance, the best of them can stall
+//! compute for several percent of a step, because a ring of `K` slots lets
+//! the link run at most `K` units ahead. The winner is then improved by local
+//! search: a streamed unit and a resident one that fits its slot trade
+//! places when the simulated step gets shorter and the budget still holds,
+//! in index order, first improvement, until a sweep finds none or the
+//! search has visited [`REFINE_WORK`] unit-steps of simulation. The search
+//! is deterministic.
+//!
+//! Every prediction is steady-state: the simulated last pass, and never less
+//! than the link's time for the bytes streamed per pass (a few simulated
+//! passes can end before a slow link's lag shows).
 
 use std::collections::HashSet;
 
@@ -40,6 +57,19 @@ use crate::simulate::{simulate, MAX_SLOTS};
 
 /// Passes simulated to score a candidate; the last one is the steady state.
 pub const SIM_PASSES: usize = 4;
+
+/// Most unit-steps of simulation (`passes x units` per plan tried) the refinement may spend: about
+/// 16 000 trial plans of 250 units, tens of milliseconds.
+pub const REFINE_WORK: usize = 16_000_000;
+
+/// What a plan cost to find.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlanCost {
+    /// Candidate plans of the search simulated (pruned by the roofline bound).
+    pub simulations: usize,
+    /// Trial swaps the refinement simulated (bounded by [`REFINE_WORK`]).
+    pub refinements: usize,
+}
 
 /// What the planner needs to know.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -171,15 +201,16 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
     plan_counted(req).map(|(plan, _)| plan)
 }
 
-/// [`plan`], and how many candidate plans it simulated: the planner's cost, which stays a small
-/// multiple of the unit count because the roofline bound prunes candidates before simulation.
-pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, usize)> {
+/// [`plan`], and what it cost: the candidate plans the search simulated (a small multiple of the
+/// unit count, because the roofline bound prunes candidates before simulation) and the trial
+/// swaps of the refinement.
+pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, PlanCost)> {
     let compute = validate(req)?;
     let n = req.unit_bytes.len();
     let everything = req.base_bytes.saturating_add(sum(&req.unit_bytes));
     let budget = match req.budget_bytes {
         Some(b) if b < everything => b,
-        _ => return Ok((all_resident(req, &compute), 0)),
+        _ => return Ok((all_resident(req, &compute), PlanCost::default())),
     };
 
     let min = minimum_budget(&req.unit_bytes, req.base_bytes, req.min_slots);
@@ -256,27 +287,109 @@ pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, usize)> {
                     continue;
                 }
                 simulations += 1;
-                candidate.predicted_step_s = simulate(
-                    req.link(),
-                    &compute,
-                    &candidate.resident,
-                    k,
-                    req.link_bytes_per_s,
-                    SIM_PASSES,
-                )
-                .step_s;
+                candidate.predicted_step_s = steady_step(req, &compute, &candidate.resident, k);
                 if best.as_ref().is_none_or(|b| better(&candidate, b)) {
                     best = Some(candidate);
                 }
             }
         }
     }
-    best.map(|p| (p, simulations)).ok_or_else(|| {
+    let best = best.ok_or_else(|| {
         CoreError::InvalidPlanRequest(format!(
             "no plan fits budget {budget} bytes although the minimum is {} bytes",
             min.bytes
         ))
-    })
+    })?;
+    let (plan, refinements) = refine(req, &compute, best, budget, total_compute);
+    Ok((
+        plan,
+        PlanCost {
+            simulations,
+            refinements,
+        },
+    ))
+}
+
+/// The steady-state seconds per pass of `resident` with `slots` slots: the simulated last pass, and
+/// never less than the link's time for what streams (see the module docs).
+fn steady_step(req: &PlanRequest, compute: &[f64], resident: &[bool], slots: usize) -> f64 {
+    let sim = simulate(
+        req.link(),
+        compute,
+        resident,
+        slots,
+        req.link_bytes_per_s,
+        SIM_PASSES,
+    );
+    sim.step_s.max(sim.link_busy_s)
+}
+
+/// Local search from `start` (see the module docs): a streamed unit made resident in exchange for
+/// a resident unit that fits the slots, kept when the steady step gets shorter and the budget
+/// holds. Returns the plan and the trial swaps simulated.
+fn refine(
+    req: &PlanRequest,
+    compute: &[f64],
+    start: Plan,
+    budget: u64,
+    total_compute: f64,
+) -> (Plan, usize) {
+    let n = req.unit_bytes.len();
+    let k = start.slots;
+    let m = start.slot_bytes;
+    if k == 0 || start.predicted_step_s <= start.bound_s * (1.0 + 1e-9) {
+        return (start, 0); // nothing streams, or already at the roofline
+    }
+    let per_trial = SIM_PASSES.saturating_mul(n).max(1);
+    let most = REFINE_WORK / per_trial;
+    // free bytes under the budget with `k` slots of `m` bytes (the slot size never grows: a unit
+    // that starts streaming fits a slot)
+    let mut free = budget.saturating_sub(
+        start
+            .resident_bytes
+            .saturating_add(m.saturating_mul(k as u64)),
+    );
+    let mut resident = start.resident.clone();
+    let mut score = start.predicted_step_s;
+    let mut trials = 0usize;
+    let bytes = &req.unit_bytes;
+    'sweeps: loop {
+        let mut improved = false;
+        for s in 0..n {
+            if resident[s] {
+                continue;
+            }
+            for r in 0..n {
+                if !resident[r] || bytes[r] > m || free.saturating_add(bytes[r]) < bytes[s] {
+                    continue;
+                }
+                if trials >= most {
+                    break 'sweeps;
+                }
+                trials += 1;
+                resident[s] = true;
+                resident[r] = false;
+                let t = steady_step(req, compute, &resident, k);
+                if t < score * (1.0 - 1e-9) {
+                    score = t;
+                    free = free + bytes[r] - bytes[s];
+                    improved = true;
+                    break;
+                }
+                resident[s] = false;
+                resident[r] = true;
+            }
+        }
+        if !improved {
+            break;
+        }
+    }
+    if score >= start.predicted_step_s {
+        return (start, trials);
+    }
+    let mut plan = footprint(req, resident, k, total_compute);
+    plan.predicted_step_s = score.max(plan.bound_s);
+    (plan, trials)
 }
 
 /// Checks the request and returns per-unit compute seconds.
