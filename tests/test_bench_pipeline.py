@@ -79,3 +79,38 @@ def test_sdnq_benchmark_runs_on_the_tiny_transformer(tmp_path):
     streamed = {r["format"]: r for r in doc["rows"] if r["budget"]}
     assert streamed["int8"]["route"] == "sdnq" and streamed["bf16"]["route"] == "linear"
     assert streamed["int8"]["weight_bytes"] < streamed["bf16"]["weight_bytes"]
+
+
+def test_the_phase_activations_are_each_phase_s_peak_over_its_start(monkeypatch):
+    """_Phases on a CUDA device (faked counters): encode, each step (with the scheduler's work after
+    it) and decode get PyTorch's peak in their segment less what was allocated when it began."""
+    import torch
+
+    from benchmarks import pipeline
+
+    # (allocated at the boundary, peak since the last boundary) at each boundary of one call of
+    # two steps: start, step 1 begins, ends, step 2 begins, ends, call ends
+    script = iter([(100, 100), (150, 400), (160, 900), (150, 700), (160, 950), (100, 3100)])
+    state = {}
+
+    def boundary(*_a, **_k):
+        state["now"], state["peak"] = next(script)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", boundary)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (0, 0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *_: state["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: state["now"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *_: None)
+    denoiser = torch.nn.Identity()
+    phases = pipeline._Phases(denoiser, torch.device("cuda", 0))
+
+    def call():
+        denoiser(torch.zeros(1))
+        denoiser(torch.zeros(1))
+
+    phases.run(call)
+    phases.close()
+    # encode: 400 - 100; steps: 900 - 150 and 950 - 150 (the gap 700 - 160 counted with step 1);
+    # decode: 3100 - 160
+    assert phases.activations == {"encode": 300, "denoise": 800, "decode": 2940}
+    assert phases.alloc_peak == 3100
