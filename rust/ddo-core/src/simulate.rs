@@ -168,6 +168,41 @@ fn transfer_s(bytes: u64, rate: f64) -> f64 {
     }
 }
 
+/// Per unit, in the last simulated pass: how long compute waited for the unit's copy, and for a
+/// streamed unit how long the link sat idle before its copy because the unit's slot was still in
+/// use (where the link had time to spare). 0 for resident units. The planner's refinement reads
+/// them to try first the swaps that can help.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct PassDetail {
+    pub wait: Vec<f64>,
+    pub link_idle: Vec<f64>,
+}
+
+/// [`simulate`], and the last pass unit by unit.
+pub(crate) fn simulate_detail(
+    unit_bytes: &[u64],
+    unit_compute_s: &[f64],
+    resident: &[bool],
+    slots: usize,
+    link_bytes_per_s: f64,
+    passes: usize,
+) -> (SimResult, PassDetail) {
+    let mut detail = PassDetail {
+        wait: vec![0.0; unit_bytes.len()],
+        link_idle: vec![0.0; unit_bytes.len()],
+    };
+    let result = run_with(
+        unit_bytes,
+        unit_compute_s,
+        resident,
+        slots,
+        passes,
+        |_, bytes| transfer_s(bytes, link_bytes_per_s),
+        Some(&mut detail),
+    );
+    (result, detail)
+}
+
 fn run(
     unit_bytes: &[u64],
     unit_compute_s: &[f64],
@@ -175,6 +210,26 @@ fn run(
     slots: usize,
     passes: usize,
     copy_s: impl Fn(usize, u64) -> f64,
+) -> SimResult {
+    run_with(
+        unit_bytes,
+        unit_compute_s,
+        resident,
+        slots,
+        passes,
+        copy_s,
+        None,
+    )
+}
+
+fn run_with(
+    unit_bytes: &[u64],
+    unit_compute_s: &[f64],
+    resident: &[bool],
+    slots: usize,
+    passes: usize,
+    copy_s: impl Fn(usize, u64) -> f64,
+    mut detail: Option<&mut PassDetail>,
 ) -> SimResult {
     let passes = passes.max(1);
     // Slots beyond the number of fetches are never reused, so they change nothing: capping them
@@ -212,9 +267,15 @@ fn run(
             let slot_free = if fetched >= slots { done[slot] } else { 0.0 };
             let duration = copy_s(i, bytes);
             let arrived = link_free.max(slot_free) + duration;
+            let start = now.max(arrived);
+            if pass + 1 == passes {
+                if let Some(d) = detail.as_deref_mut() {
+                    d.wait[i] = start - now;
+                    d.link_idle[i] = (slot_free - link_free).max(0.0);
+                }
+            }
             link_free = arrived;
             busy += duration;
-            let start = now.max(arrived);
             wait += start - now;
             now = start + c;
             done[slot] = now;
