@@ -37,8 +37,9 @@
 //! varies (an image transformer's attention against its modulation
 //! layers) and copies and compute nearly balance, the best of them can stall
 //! compute for several percent of a step, because a ring of `K` slots lets
-//! the link run at most `K` units ahead. The winner is then improved by local
-//! search: a streamed unit and a resident one that fits its slot trade
+//! the link run at most `K` units ahead. With per-unit compute times (measured:
+//! a re-plan after the calibration call, `vram_budget="auto"`), the winner is
+//! then improved by local search: a streamed unit and a resident one that fits its slot trade
 //! places when the simulated step gets shorter and the budget still holds.
 //! Each round simulates the plan unit by unit and tries first the streamed
 //! units just before the longest compute waits against the resident units
@@ -304,7 +305,14 @@ pub fn plan_counted(req: &PlanRequest) -> Result<(Plan, PlanCost)> {
             min.bytes
         ))
     })?;
-    let (plan, refinements) = refine(req, &compute, best, budget, total_compute);
+    // with compute from the prior (proportional to bytes) the fills' plans are what was measured on
+    // the GPU; the search would fit the prior's errors (it streams the modulation layers it thinks
+    // compute-heavy)
+    let (plan, refinements) = if req.unit_compute_s.is_some() {
+        refine(req, &compute, best, budget, total_compute)
+    } else {
+        (best, 0)
+    };
     Ok((
         plan,
         PlanCost {
