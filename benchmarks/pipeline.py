@@ -152,23 +152,48 @@ def _uploaded(off: Any) -> int:
 
 
 def _generations(pipe: Any, device: torch.device, call: dict[str, Any], n: int, off: Any = None
-                 ) -> tuple[list[torch.Tensor], list[dict[str, Any]], dict[str, int]]:
-    """``n`` generations, a different prompt each (seed 0): the images, per generation its phase
-    times and the bytes it sent, and the peaks (torch's allocated, the driver's used)."""
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], list[dict[str, Any]], dict[str, int]]:
+    """``n`` generations, a different prompt each (seed 0): per generation the image and the latents
+    the VAE decoded (to tell an offload's error from a resident component's own kernel choice), its
+    phase times and the bytes it sent; and the peaks (torch's allocated, the driver's used)."""
     _reset(device)
     phases = _Phases(pipe.transformer, device)
-    images, gens = [], []
+    outs, gens, decoded = [], [], []
+    vae = pipe.vae
+    own = vars(vae).get("decode")  # a peer's own patch, if any, is put back as it was
+    decode = vae.decode
+
+    def recording(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        decoded.append(z.detach().to("cpu", copy=True))
+        return decode(z, *args, **kwargs)
+
+    vae.decode = recording
     try:
         for i in range(n):
             sent0 = _uploaded(off)
+            decoded.clear()
             img, times = phases.run(lambda i=i: pipe(prompt=PROMPTS[i % len(PROMPTS)], output_type="pt",
                                                      generator=torch.Generator("cpu").manual_seed(0), **call).images)
-            images.append(img.cpu())
+            outs.append((img.cpu(), decoded[-1] if decoded else None))
             gens.append({**times, "uploaded_bytes": _uploaded(off) - sent0})
     finally:
         phases.close()
-    return images, gens, {"peak_gpu_allocated": phases.alloc_peak, "peak_driver_used": phases.used_peak,
-                          "activation_bytes": dict(phases.activations) if device.type == "cuda" else None}
+        if own is None:
+            del vae.decode
+        else:
+            vae.decode = own
+    return outs, gens, {"peak_gpu_allocated": phases.alloc_peak, "peak_driver_used": phases.used_peak,
+                        "activation_bytes": dict(phases.activations) if device.type == "cuda" else None}
+
+
+def _compared(outs: list[tuple[torch.Tensor, torch.Tensor | None]],
+              refs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> dict[str, bool]:
+    """``exact``: every image equals the resident row's; ``latents_exact``: every latent the VAE
+    decoded does: an image that differs from identical latents is the decode's doing (a kernel it chose
+    otherwise, or the VAE's own offload where it has one), not the denoiser's or the encoders'."""
+    return {"exact": all(torch.equal(a[0], b[0]) for a, b in zip(outs, refs)),
+            "latents_exact": all(a[1] is not None and b[1] is not None and torch.equal(a[1], b[1])
+                                 for a, b in zip(outs, refs))}
 
 
 _FILLED: dict[int, int] = {}
@@ -254,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rss0 = host_rss()  # the baseline of every row's host memory: the weights on the device, not in RAM
     refs, gens, peaks = _generations(pipe, device, call, args.generations)
     rows.append({"pipeline": "all components resident", "route": "resident", "vram_budget": None,
-                 "generations": gens, **peaks, "host_rss_over_baseline": 0, "exact": True})
+                 "generations": gens, **peaks, "host_rss_over_baseline": 0, "exact": True, "latents_exact": True})
     pipe.to("cpu")
     filler = _fill_card(device, args.card)  # noqa: F841 (held for the offloaded rows)
     doc["card_gib"] = args.card
@@ -313,7 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "graph": graph,
                     "peak_device_weights": arena["peak_device_bytes"] if arena else off.gpu_bytes,
                     "policies": {n: p.describe() for n, p in off.policies.items()},
-                    "exact": all(torch.equal(a, b) for a, b in zip(images, refs)),
+                    **_compared(images, refs),
                 })
             finally:
                 off.remove()
@@ -366,7 +391,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                if steps != args.steps else ""),
                      "route": peer, "vram_budget": None, "setup_s": setup_s, "steps_run": steps, "note": note,
                      "generations": gens, **peaks, "host_rss_over_baseline": host_rss() - rss0,
-                     "exact": all(torch.equal(a, b) for a, b in zip(images, refs)) if steps == args.steps else None})
+                     **(_compared(images, refs) if steps == args.steps else {"exact": None})})
         print(f"{peer}: " + ", ".join(f"gen{i + 1} {g['total_s']:.2f} s" for i, g in enumerate(gens)), flush=True)
         if spec.undo is not None:
             spec.undo(pipe)
@@ -519,7 +544,7 @@ def markdown(doc: dict[str, Any]) -> str:
                     f"{fmt_bytes(r['arena_peak_bytes']) if r.get('arena_peak_bytes') else '-'} | "
                     f"{fmt_bytes(r['peak_driver_used']) if r.get('peak_driver_used') else '-'} | "
                     f"{fmt_bytes(r['host_rss_over_baseline'])} ({r['host_rss_over_baseline'] / weights:.2f}x) | "
-                    f"{ {True: 'yes', False: 'NO', None: '- (fewer steps)'}[r['exact']] }") if i == 0 else "| | | | |"
+                    f"{_exact_label(r)}") if i == 0 else "| | | | |"
             lines.append(f"| {r['pipeline'] if i == 0 else ''} | {budget if i == 0 else ''} | {i + 1} | "
                          f"{g['total_s']:.2f} | {g['encode_s']:.2f} | {g['denoise_s']:.2f} | {g['decode_s']:.2f} | "
                          f"{sent} | {tail} |")
@@ -539,6 +564,15 @@ def markdown(doc: dict[str, Any]) -> str:
                   f"{fmt_bytes(fit['budget_bytes'])}"]
     lines += [f"- {line}" for line in gains(doc["rows"])]
     return "\n".join(lines) + "\n"
+
+
+def _exact_label(row: dict[str, Any]) -> str:
+    if row["exact"] is None:
+        return "- (fewer steps)"
+    if row["exact"]:
+        return "yes"
+    return ("NO: the latents are identical, the decode differs" if row.get("latents_exact")
+            else "NO")
 
 
 def _later(row: dict[str, Any], key: str) -> float:

@@ -17,7 +17,7 @@ def test_pipeline_benchmark_runs_on_the_tiny_components(tmp_path):
     doc = json.loads((tmp_path / "pipeline.json").read_text())
     resident, linear, vmm, coded, cpu_offload, group = doc["rows"]
     assert coded["exact"] and "codec=fixed" in coded["policies"]["transformer"]
-    assert rc == 0 and resident["exact"] and linear["exact"]
+    assert rc == 0 and resident["exact"] and linear["exact"] and linear["latents_exact"] and coded["latents_exact"]
     assert linear["peak_device_weights"] <= linear["vram_budget"] == 600 * 1024
     assert linear["policies"]["transformer"].startswith("linear")
     assert len(linear["generations"]) == 2 and all(g["denoise_s"] > 0 and g["uploaded_bytes"] > 0
@@ -49,6 +49,20 @@ def test_the_pipeline_benchmark_s_other_peers(tmp_path):
     assert seq.get("error") or (seq["steps_run"] == 1 and seq["exact"] is None and "1 steps run" in seq["pipeline"])
     with pytest.raises(SystemExit, match="put it last"):
         main(["--tiny", "--device", "cpu", "--routes", "group_offload,model_cpu_offload", "--out", str(tmp_path)])
+
+
+def test_identical_latents_decoded_otherwise_are_told_apart():
+    import torch
+
+    from benchmarks.pipeline import _compared, _exact_label
+
+    z, img = torch.zeros(2), torch.ones(3)
+    refs = [(img, z), (img, z)]
+    assert _compared([(img, z), (img + 1, z)], refs) == {"exact": False, "latents_exact": True}
+    assert _compared([(img, z), (img, z + 1)], refs) == {"exact": True, "latents_exact": False}
+    assert _compared([(img, None)], refs[:1])["latents_exact"] is False  # nothing recorded: not claimed
+    assert "latents are identical, the decode differs" in _exact_label({"exact": False, "latents_exact": True})
+    assert _exact_label({"exact": False, "latents_exact": False}) == "NO"
 
 
 def test_the_vmm_gain_is_set_against_the_bytes_it_did_not_upload():
