@@ -48,13 +48,13 @@ pub fn simulate(
     link_bytes_per_s: f64,
     passes: usize,
 ) -> SimResult {
-    run(
-        unit_bytes,
-        unit_compute_s,
-        resident,
+    let plain = (unit_bytes, unit_compute_s, resident);
+    run_with(
+        plain,
         slots,
         passes,
-        |_, bytes| transfer_s(bytes, link_bytes_per_s),
+        |_, b| transfer_s(b, link_bytes_per_s),
+        None,
     )
 }
 
@@ -80,10 +80,8 @@ pub fn simulate_disk(
     } else {
         0.0
     };
-    run(
-        unit_bytes,
-        unit_compute_s,
-        resident,
+    run_with(
+        (unit_bytes, unit_compute_s, resident),
         slots,
         passes,
         |i, bytes| {
@@ -93,6 +91,7 @@ pub fn simulate_disk(
                 transfer_s(bytes, link_bytes_per_s)
             }
         },
+        None,
     )
 }
 
@@ -191,41 +190,17 @@ pub(crate) fn simulate_detail(
         wait: vec![0.0; unit_bytes.len()],
         link_idle: vec![0.0; unit_bytes.len()],
     };
-    let result = run_with(
-        unit_bytes,
-        unit_compute_s,
-        resident,
-        slots,
-        passes,
-        |_, bytes| transfer_s(bytes, link_bytes_per_s),
-        Some(&mut detail),
-    );
+    let plain = (unit_bytes, unit_compute_s, resident);
+    let link = |_, b| transfer_s(b, link_bytes_per_s);
+    let result = run_with(plain, slots, passes, link, Some(&mut detail));
     (result, detail)
 }
 
-fn run(
-    unit_bytes: &[u64],
-    unit_compute_s: &[f64],
-    resident: &[bool],
-    slots: usize,
-    passes: usize,
-    copy_s: impl Fn(usize, u64) -> f64,
-) -> SimResult {
-    run_with(
-        unit_bytes,
-        unit_compute_s,
-        resident,
-        slots,
-        passes,
-        copy_s,
-        None,
-    )
-}
+/// Units' bytes, compute seconds and residency, indexed alike.
+type Units<'a> = (&'a [u64], &'a [f64], &'a [bool]);
 
 fn run_with(
-    unit_bytes: &[u64],
-    unit_compute_s: &[f64],
-    resident: &[bool],
+    (unit_bytes, unit_compute_s, resident): Units<'_>,
     slots: usize,
     passes: usize,
     copy_s: impl Fn(usize, u64) -> f64,
