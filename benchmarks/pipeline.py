@@ -11,7 +11,14 @@ instead (for the CPU and the tests).
 Rows: all components resident, then per budget ``offload_pipeline(pipe, vram_budget=B)`` (the linear
 route, its default per-component split) and ``offload_pipeline(pipe, preset="vmm_fast", vram_budget=B)``
 (one arena for every component). Each row runs three generations in a row with different prompts
-and reports each generation's encode, denoise and decode time and the bytes it sent.
+and reports each generation's encode, denoise and decode time and the bytes it sent, and whether its
+images and the latents its VAE decoded equal the resident row's.
+
+    python -m benchmarks.pipeline --card 10 --budgets auto --routes vmm,linear,sequential_cpu_offload --out DIR
+
+On a card (``--card``, the rest of the device filled), ``auto`` is ``Arena("auto")`` for the vmm route
+and, for the linear route and the peers, the static split that fits the card: the free memory less
+the resident row's largest phase activations (a VAE decode's) less the arena's margin.
 """
 
 from __future__ import annotations
