@@ -23,10 +23,22 @@ VENV_ARGS := $(if $(REUSE_TORCH),--system-site-packages,)
 $(PY):
 	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 
+# Disk the install needs, measured on a fresh 2-core machine (2026-12-03): PyPI's CUDA torch peaks at
+# 8.9 GB while pip holds the downloaded wheels beside the unpacked venv (5.9 GB left), under 1 GB
+# with REUSE_TORCH. --no-cache-dir keeps pip from writing a third copy into its cache.
+NEED_GB := $(if $(REUSE_TORCH),1,9)
+PIP_INSTALL := $(PY) -m pip install -q --no-cache-dir
+
 $(STAMP): requirements-dev.txt | $(PY)
-	$(PY) -m pip install -q --upgrade pip
+	@free=$$(df -Pk $(VENV) | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(NEED_GB) ]; then \
+		echo "make: warning: $$free GB free on the disk of $(VENV); the install needs about $(NEED_GB) GB" \
+			"(PyPI's torch is the CUDA build). Free some space, or reuse an installed torch:" \
+			"make $(or $(MAKECMDGOALS),run) REUSE_TORCH=1 PYTHON=/path/to/python" >&2; \
+	fi
+	$(PIP_INSTALL) --upgrade pip
 	$(if $(REUSE_TORCH),grep -v '^torch==' requirements-dev.txt > $(VENV)/requirements.txt,cp requirements-dev.txt $(VENV)/requirements.txt)
-	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	$(PIP_INSTALL) -r $(VENV)/requirements.txt
 	touch $@
 
 $(EXT_STAMP): $(STAMP) $(RUST_SRC)
