@@ -45,7 +45,8 @@
 //! units just before the longest compute waits against the resident units
 //! where the link sat idle waiting for a slot; the first swap that helps
 //! starts the next round, until a round finds none or the search has spent
-//! [`REFINE_WORK`] unit-steps of simulation. On the measured compute of a
+//! [`REFINE_WORK`] unit-steps on trial swaps (each round also simulates its
+//! starting plan once, unit by unit, which the bound does not count). On the measured compute of a
 //! Flux-sized transformer (247 units) it reaches the roofline in tens of
 //! milliseconds. The search is deterministic.
 //!
@@ -63,7 +64,8 @@ use crate::simulate::{simulate, simulate_detail, MAX_SLOTS};
 /// Passes simulated to score a candidate; the last one is the steady state.
 pub const SIM_PASSES: usize = 4;
 
-/// Most unit-steps of simulation (`passes x units` per plan tried) the refinement may spend: 16 000
+/// Most unit-steps of simulation (`passes x units` per trial swap) the refinement may spend on trial
+/// swaps (each round's one detailed simulation of its starting plan is not counted): 16 000
 /// trial plans of 250 units, 6 400 of 625 (about 0.1 s on this project's CI machine).
 pub const REFINE_WORK: usize = 16_000_000;
 
