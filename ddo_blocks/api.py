@@ -88,6 +88,8 @@ class OffloadHandle:
         self._guard: guards.ConversionGuard | None = None
         self.auto: AutoBudget | None = None
         """The ``vram_budget="auto"`` state (what was measured and chosen), or None."""
+        self._smallest = 0
+        """``auto``: the route's smallest plan, where a first call that ran out of memory goes."""
         self._rebuild: tuple[routes.RouteSpec, dict[str, Any]] | None = None
         """The route and its options: what ``replan`` and the auto budget attach again with."""
         self.lossless: dict[str, Any] | None = None
@@ -124,6 +126,7 @@ class OffloadHandle:
             auto.done = True  # re-planning would read every disk unit back into RAM
             auto.reason = f"route {spec.name!r} reads weights from files: the first budget stays"
             return
+        self._smallest = auto.minimum_bytes + (spec.min_extra(self.module, options) if spec.min_extra else 0)
         self._wire_auto()
 
     def _wire_auto(self) -> None:
@@ -132,10 +135,13 @@ class OffloadHandle:
             return
         engine.on_call_start = auto.peak.start
         engine.after_entry_call = self._after_first_call
+        engine.on_oom = self._first_call_oom
 
     def _after_first_call(self) -> None:
         engine, auto = self.engine, self.auto
-        engine.on_call_start = engine.after_entry_call = None
+        if not engine.scheduler.last_call_clean:
+            return  # an error or an interrupt: its peak is part of a call; the next clean call measures
+        engine.on_call_start = engine.after_entry_call = engine.on_oom = None
         runner = getattr(getattr(engine, "scheduler", None), "graph", None)
         if runner is not None and runner.off_reason is None:
             auto.pools = 2  # the graphs' pool keeps a call's activations beside the eager calls'
@@ -171,6 +177,39 @@ class OffloadHandle:
                 + ("did not finish cleanly" if auto.calibration_unclean else
                    "did not run every unit, or no plan with its measurement fits"))
         self._auto_replan(new, measured, when)
+
+    def _first_call_oom(self, exc: BaseException, again: bool) -> bool:
+        """The first call ran out of device memory (its activations, not known yet, did not fit beside
+        the first budget): attaches the smallest plan, whose next call measures the activations with
+        the most room; ``True`` when the failed call should run again (``again``: it left its inputs
+        and the module as they were, and no diffusers hook keeps state between calls), else a note
+        on ``exc`` says what happened and what to do."""
+        auto, first = self.auto, self.vram_budget
+        where = f"ddo_blocks: {self.component} (vram_budget='auto')"
+        if first is None or first <= self._smallest:
+            exc.add_note(f"{where} ran out of device memory at its smallest plan ({fmt_bytes(self._smallest)} of "
+                         "weights on the device): the call's activations do not fit beside it. Free device memory, "
+                         "or make the call smaller (resolution, frames, batch)")
+            return False
+        failed = self._attach_again(self._smallest, fallback_budget=first)
+        if failed is not None:
+            exc.add_note(f"{where} ran out of device memory at the first budget {fmt_bytes(first)}; attaching "
+                         f"its smallest plan then failed ({failed}), and the first budget is attached again")
+            return False
+        self.vram_budget = auto.first_bytes = self._smallest
+        auto.out_of_memory_bytes = first
+        auto.reason = (f"the first call ran out of device memory at the first budget {fmt_bytes(first)}: attached "
+                       f"at the smallest plan ({fmt_bytes(self._smallest)}), whose call measures the activations")
+        self._wire_auto()
+        if not again:
+            exc.add_note(f"{where} ran out of device memory at the first budget {fmt_bytes(first)} and is attached "
+                         "at its smallest plan now: call it again (this call was not repeated: it changed its inputs "
+                         "or the module in place, its tensors are inference tensors whose changes cannot be seen, "
+                         "or diffusers hooks keep state between calls)")
+            return False
+        log.warning("%s: the first call ran out of device memory at %s; it runs again at the smallest plan (%s)",
+                    where, fmt_bytes(first), fmt_bytes(self._smallest))
+        return True
 
     def _auto_replan(self, new: int, measured: Any, when: str) -> None:
         """Attaches the component again at the budget ``auto`` chose (planned with ``measured``

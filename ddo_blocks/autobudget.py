@@ -4,7 +4,11 @@
    unused), and a first budget of half of it (at least the route's minimum), so that the first call's
    activations, not known yet, have room.
 2. The first call measures its activation peak ``A``: PyTorch's peak allocated during the call less
-   what was allocated when it began (weights and slots included in the latter).
+   what was allocated when it began (weights and slots included in the latter). Only a call that
+   returns counts (an error or an interrupt: the next call measures). A first call that runs out of
+   device memory (``A`` more than the first budget left) attaches the smallest plan, and runs again
+   there when it left its inputs and the module as they were (their version counters) and no
+   diffusers hook keeps state between calls; otherwise the error says to call again.
 3. The budget grows to ``F - A - margin`` (margin: 256 MiB plus 5 % of ``F``; ``F - 2A - margin`` when
    CUDA graphs may capture, ``graph=True``: their private pool keeps a call's activations beside the
    eager calls') when that is at least 10 % more than the first budget. Nothing streams at the first
@@ -95,6 +99,9 @@ class AutoBudget:
     on an engine that can: their private pool holds a call's activations beside the eager calls')."""
     calibration_unclean: bool = False
     """The second call ended in an error: the re-plan waits for a clean call and uses the prior."""
+    out_of_memory_bytes: int | None = None
+    """The first budget, where the first call ran out of device memory there and the component was
+    attached at its smallest plan (``OffloadHandle``), else ``None``."""
     peak: CallPeak | None = field(default=None, repr=False)
 
     @classmethod
@@ -134,6 +141,10 @@ class AutoBudget:
         return new
 
     def section(self) -> dict[str, Any]:
+        reason = self.reason
+        if self.out_of_memory_bytes is not None and self.done:
+            reason = (f"the first call ran out of device memory at the first budget {fmt_bytes(self.out_of_memory_bytes)}"
+                      f" and ran at the smallest plan ({fmt_bytes(self.first_bytes)}); " + reason)
         return {
             "free_bytes": self.free_bytes,
             "minimum_bytes": self.minimum_bytes,
@@ -143,6 +154,7 @@ class AutoBudget:
             "pending_budget_bytes": self.pending_bytes,
             "measured_compute": self.measured_compute,
             "activation_pools": self.pools,
-            "reason": self.reason + (": the re-plan waits for the second call, which measures each unit's compute"
+            "out_of_memory_at_bytes": self.out_of_memory_bytes,
+            "reason": reason + (": the re-plan waits for the second call, which measures each unit's compute"
                                      if self.pending_bytes is not None else ""),
         }

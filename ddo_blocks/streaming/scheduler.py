@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..errors import OffloadStateError
 from ..units import Unit
@@ -100,6 +102,18 @@ def _any_requires_grad(tree: Any) -> bool:
     if isinstance(tree, dict):
         return any(_any_requires_grad(x) for x in tree.values())
     return False
+
+
+def versions(module: nn.Module, args: tuple, kwargs: dict) -> list[int] | None:
+    """The version counters of a call's input tensors and of the module's parameters and buffers (an
+    in-place write moves one; pointing a tensor at other memory, as the engine does, does not), or
+    ``None`` where one cannot be read (inference tensors keep none): whether a call that failed left
+    its inputs and the module as they were, so that running it again gives what it would have given."""
+    try:
+        return ([t._version for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                + [t._version for t in itertools.chain(module.parameters(), module.buffers())])
+    except RuntimeError:  # an inference tensor
+        return None
 
 
 def compute_stream(device: torch.device) -> Callable[[], int]:
@@ -186,7 +200,7 @@ class Scheduler:
                 continue
             while method in _ENTRIES:  # a stale wrapper of an earlier offload (not a user's wrapper of it)
                 method = method.__wrapped__
-            wrapper = self._wrap_entry(method)
+            wrapper = self._wrap_entry(method, name)
             setattr(self.module, name, wrapper)
             self._wrapped.append((name, wrapper, previous))
 
@@ -209,7 +223,7 @@ class Scheduler:
         self._running = None
         self._inflight.clear()
 
-    def _wrap_entry(self, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_entry(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
         sched = self
 
         @functools.wraps(method)  # keeps the signature visible (pipelines inspect forward's parameters)
@@ -219,12 +233,29 @@ class Scheduler:
             with sched.lock:
                 if not sched.active:  # removed while this thread waited for the lock
                     return method(*args, **kwargs)
-                if sched.graph is not None and sched.depth == 0:
-                    return sched.graph.call(method, args, kwargs)
-                return sched.eager_call(method, args, kwargs)
+                on_oom = getattr(sched.pipeline, "on_oom", None) if sched.depth == 0 else None
+                if on_oom is None:
+                    return sched.dispatch(method, args, kwargs)
+                before = versions(sched.module, args, kwargs)
+                try:
+                    return sched.dispatch(method, args, kwargs)
+                except torch.OutOfMemoryError as exc:
+                    again = (before is not None and versions(sched.module, args, kwargs) == before
+                             and sched.hook_scan.hooks_on()[1] is None)
+                    if not on_oom(exc, again):
+                        raise
+            # Out of the except clause, the failed call's frames (its activations) are freed: the call
+            # runs again through the entry point the offload attached smaller (on_oom re-planned it).
+            return getattr(sched.module, name)(*args, **kwargs)
 
         _ENTRIES.add(entry)
         return entry
+
+    def dispatch(self, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One call through an entry point, the lock held: a graph replay where the runner takes it."""
+        if self.graph is not None and self.depth == 0:
+            return self.graph.call(method, args, kwargs)
+        return self.eager_call(method, args, kwargs)
 
     def eager_call(self, method: Callable[..., Any], args: tuple, kwargs: dict, capturing: bool = False) -> Any:
         """One call through an entry point, its units' hooks running (``capturing``: inside a CUDA
