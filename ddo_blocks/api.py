@@ -178,38 +178,39 @@ class OffloadHandle:
                    "did not run every unit, or no plan with its measurement fits"))
         self._auto_replan(new, measured, when)
 
-    def _first_call_oom(self, exc: BaseException, again: bool) -> bool:
+    def _first_call_oom(self, exc: BaseException) -> None:
         """The first call ran out of device memory (its activations, not known yet, did not fit beside
         the first budget): attaches the smallest plan, whose next call measures the activations with
-        the most room; ``True`` when the failed call should run again (``again``: it left its inputs
-        and the module as they were, and no diffusers hook keeps state between calls), else a note
-        on ``exc`` says what happened and what to do."""
+        the most room, and says so in a note on ``exc``. The call is not run again here: a call that
+        failed half-way may have drawn random numbers, run a user's hooks or changed state no check
+        sees, so running it again could give another result than one call would; the caller does."""
         auto, first = self.auto, self.vram_budget
         where = f"ddo_blocks: {self.component} (vram_budget='auto')"
         if first is None or first <= self._smallest:
             exc.add_note(f"{where} ran out of device memory at its smallest plan ({fmt_bytes(self._smallest)} of "
                          "weights on the device): the call's activations do not fit beside it. Free device memory, "
                          "or make the call smaller (resolution, frames, batch)")
-            return False
+            return
+        if any(d.type != "cpu" for d in getattr(self.engine, "orig_device", {}).values()):
+            exc.add_note(f"{where} ran out of device memory at the first budget {fmt_bytes(first)}; the module came "
+                         "from the device, where re-attaching it would first put every weight back: remove() the "
+                         "offload and pass a smaller vram_budget (bytes or 'min')")
+            return
         failed = self._attach_again(self._smallest, fallback_budget=first)
         if failed is not None:
             exc.add_note(f"{where} ran out of device memory at the first budget {fmt_bytes(first)}; attaching "
                          f"its smallest plan then failed ({failed}), and the first budget is attached again")
-            return False
+            return
         self.vram_budget = auto.first_bytes = self._smallest
         auto.out_of_memory_bytes = first
         auto.reason = (f"the first call ran out of device memory at the first budget {fmt_bytes(first)}: attached "
                        f"at the smallest plan ({fmt_bytes(self._smallest)}), whose call measures the activations")
         self._wire_auto()
-        if not again:
-            exc.add_note(f"{where} ran out of device memory at the first budget {fmt_bytes(first)} and is attached "
-                         "at its smallest plan now: call it again (this call was not repeated: it changed its inputs "
-                         "or the module in place, its tensors are inference tensors whose changes cannot be seen, "
-                         "or diffusers hooks keep state between calls)")
-            return False
-        log.warning("%s: the first call ran out of device memory at %s; it runs again at the smallest plan (%s)",
+        exc.add_note(f"{where} ran out of device memory at the first budget {fmt_bytes(first)} (its activations "
+                     f"were not known yet) and is attached at its smallest plan ({fmt_bytes(self._smallest)}) now: "
+                     "call it again; that call measures the activations, and the budget grows after it")
+        log.warning("%s: the first call ran out of device memory at %s; attached at the smallest plan (%s)",
                     where, fmt_bytes(first), fmt_bytes(self._smallest))
-        return True
 
     def _auto_replan(self, new: int, measured: Any, when: str) -> None:
         """Attaches the component again at the budget ``auto`` chose (planned with ``measured``

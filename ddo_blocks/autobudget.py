@@ -6,9 +6,10 @@
 2. The first call measures its activation peak ``A``: PyTorch's peak allocated during the call less
    what was allocated when it began (weights and slots included in the latter). Only a call that
    returns counts (an error or an interrupt: the next call measures). A first call that runs out of
-   device memory (``A`` more than the first budget left) attaches the smallest plan, and runs again
-   there when it left its inputs and the module as they were (their version counters) and no
-   diffusers hook keeps state between calls; otherwise the error says to call again.
+   device memory (``A`` more than the first budget left) attaches the smallest plan; the error says
+   so and to call again (the failed call is not run again for the caller: a call that failed
+   half-way may have drawn random numbers or run hooks that keep state, so a second run could give
+   another result than one call would).
 3. The budget grows to ``F - A - margin`` (margin: 256 MiB plus 5 % of ``F``; ``F - 2A - margin`` when
    CUDA graphs may capture, ``graph=True``: their private pool keeps a call's activations beside the
    eager calls') when that is at least 10 % more than the first budget. Nothing streams at the first

@@ -331,28 +331,25 @@ def test_a_second_call_through_another_entry_point_replans_with_the_prior(device
 class _OutOfMemoryAbove:
     """A pre-hook on a block that raises CUDA's out-of-memory error while the offload's budget is above
     ``handle._smallest`` (the activations of a first call that do not fit beside the first budget), at
-    most ``times`` times; ``before`` runs first (an in-place write the call makes before it fails)."""
+    most ``times`` times (``always``: at the smallest plan too)."""
 
-    def __init__(self, times: int = 1, before=None, always: bool = False):
-        self.handle, self.times, self.before, self.always, self.raised = None, times, before, always, 0
+    def __init__(self, times: int = 1, always: bool = False):
+        self.handle, self.times, self.always, self.raised = None, times, always, 0
 
     def __call__(self, module, args):
         if self.raised < self.times and (self.always or self.handle.vram_budget > self.handle._smallest):
-            if self.before is not None:
-                self.before()
             self.raised += 1
             raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
 
 
 def _offload_failing_first(model, hook):
-    block = model.transformer_blocks[-1]
-    h = block.register_forward_pre_hook(hook)
+    h = model.transformer_blocks[-1].register_forward_pre_hook(hook)
     handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu")
     hook.handle = handle
     return handle, h
 
 
-def test_a_first_call_out_of_memory_runs_again_at_the_smallest_plan(device_memory):
+def test_a_first_call_out_of_memory_attaches_the_smallest_plan_and_says_to_call_again(device_memory):
     model = tiny_flux_transformer()
     x = flux_inputs(model)
     ref = _run(model, x)
@@ -363,8 +360,13 @@ def test_a_first_call_out_of_memory_runs_again_at_the_smallest_plan(device_memor
     handle, h = _offload_failing_first(model, hook)
     first = handle.vram_budget
     assert first == int(0.4 * w) and handle._smallest == ddo_blocks.minimum_budget(model) < first
-    assert torch.equal(_run(model, x), ref)  # failed at the first budget, ran again at the smallest plan
+    with pytest.raises(torch.OutOfMemoryError, match="raised by the test") as info:
+        _run(model, x)
+    note = "\n".join(info.value.__notes__)
+    assert "is attached at its smallest plan" in note and "call it again" in note
     assert hook.raised == 1 and handle.vram_budget == handle._smallest
+    assert handle.auto.activation_bytes is None  # the failed call measured nothing
+    assert torch.equal(_run(model, x), ref)  # called again: at the smallest plan, it measures the activations
     a = handle.report()["auto_budget"]
     assert a["out_of_memory_at_bytes"] == first and a["first_budget_bytes"] == handle._smallest
     assert a["reason"].startswith("the first call ran out of device memory at the first budget")
@@ -374,49 +376,10 @@ def test_a_first_call_out_of_memory_runs_again_at_the_smallest_plan(device_memor
     assert grown == a["pending_budget_bytes"] and handle.engine.on_oom is None
     for _ in range(2):
         assert torch.equal(_run(model, x), ref)
-    assert handle.report()["auto_budget"]["replanned_budget_bytes"] == grown
+    assert handle.report()["auto_budget"]["replanned_budget_bytes"] == grown and hook.raised == 1
     handle.remove()
     h.remove()
     assert_restored(model, snap)
-
-
-def test_a_first_call_out_of_memory_that_changed_its_inputs_is_not_run_again(device_memory):
-    model = tiny_flux_transformer()
-    x = flux_inputs(model)
-    ref = _run(model, x)
-    w = _weights(model)
-    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
-    latents = x["hidden_states"]
-    hook = _OutOfMemoryAbove(before=lambda: latents.add_(0))  # an in-place write: values kept, version moved
-    handle, h = _offload_failing_first(model, hook)
-    first = handle.vram_budget
-    with pytest.raises(torch.OutOfMemoryError) as info:
-        _run(model, x)
-    assert "attached at its smallest plan now: call it again" in "\n".join(info.value.__notes__)
-    assert hook.raised == 1 and handle.vram_budget == handle._smallest
-    assert handle.report()["auto_budget"]["out_of_memory_at_bytes"] == first
-    assert torch.equal(_run(model, x), ref)  # called again: it measures there
-    assert handle.report()["auto_budget"]["pending_budget_bytes"] is not None
-    handle.remove()
-    h.remove()
-
-
-def test_a_first_call_out_of_memory_on_inference_tensors_is_not_run_again(device_memory):
-    model = tiny_flux_transformer()
-    w = _weights(model)
-    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
-    with torch.inference_mode():
-        x = flux_inputs(model)  # inference tensors keep no version counter: a change could not be seen
-        ref = model(**x)[0]
-    hook = _OutOfMemoryAbove()
-    handle, h = _offload_failing_first(model, hook)
-    with pytest.raises(torch.OutOfMemoryError, match="raised by the test") as info, torch.inference_mode():
-        model(**x)
-    assert "call it again" in "\n".join(info.value.__notes__) and handle.vram_budget == handle._smallest
-    with torch.inference_mode():
-        assert torch.equal(model(**x)[0], ref)
-    handle.remove()
-    h.remove()
 
 
 def test_a_call_out_of_memory_at_the_smallest_plan_says_so_and_the_offload_stays_usable(device_memory):
@@ -428,8 +391,9 @@ def test_a_call_out_of_memory_at_the_smallest_plan_says_so_and_the_offload_stays
     device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
     hook = _OutOfMemoryAbove(times=2, always=True)  # the first budget, then the smallest plan too
     handle, h = _offload_failing_first(model, hook)
-    with pytest.raises(torch.OutOfMemoryError) as info:
-        _run(model, x)
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            _run(model, x)
     notes = "\n".join(info.value.__notes__)
     assert hook.raised == 2 and "ran out of device memory at its smallest plan" in notes
     assert handle.vram_budget == handle._smallest and handle.auto.activation_bytes is None
@@ -438,6 +402,25 @@ def test_a_call_out_of_memory_at_the_smallest_plan_says_so_and_the_offload_stays
     handle.remove()
     h.remove()
     assert_restored(model, snap)
+
+
+def test_an_out_of_memory_after_the_first_call_changes_nothing(device_memory):
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    w = _weights(model)
+    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
+    handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu")
+    assert torch.equal(_run(model, x), ref)
+    engine, budget = handle.engine, handle.vram_budget
+    hook = _OutOfMemoryAbove(always=True)
+    hook.handle = handle
+    h = model.transformer_blocks[-1].register_forward_pre_hook(hook)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        _run(model, x)
+    assert not getattr(info.value, "__notes__", None) and handle.engine is engine and handle.vram_budget == budget
+    h.remove()
+    handle.remove()
 
 
 def test_an_interrupted_first_call_measures_nothing(device_memory):
@@ -464,9 +447,7 @@ def test_an_interrupted_first_call_measures_nothing(device_memory):
     handle.remove()
 
 
-def test_a_first_call_out_of_memory_with_diffusers_hooks_is_not_run_again(device_memory):
-    from diffusers.hooks import HookRegistry, ModelHook
-
+def test_a_first_call_out_of_memory_of_a_module_from_the_device_is_not_reattached(device_memory):
     model = tiny_flux_transformer()
     x = flux_inputs(model)
     ref = _run(model, x)
@@ -474,13 +455,13 @@ def test_a_first_call_out_of_memory_with_diffusers_hooks_is_not_run_again(device
     device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
     hook = _OutOfMemoryAbove()
     handle, h = _offload_failing_first(model, hook)
-    # a hook that could keep state between calls (a cache counting steps): running a call twice could count twice
-    registry = HookRegistry.check_if_exists_or_initialize(model.transformer_blocks[0])
-    registry.register_hook(ModelHook(), "kept_state")
+    engine, first = handle.engine, handle.vram_budget
+    engine.orig_device[-1] = torch.device("cuda", 0)  # as if a weight had come from the GPU (no parameter has id -1)
     with pytest.raises(torch.OutOfMemoryError) as info:
         _run(model, x)
-    assert "diffusers hooks keep state" in "\n".join(info.value.__notes__) and hook.raised == 1
-    assert torch.equal(_run(model, x), ref) and handle.vram_budget == handle._smallest
-    registry.remove_hook("kept_state")
+    assert "came from the device" in "\n".join(info.value.__notes__)
+    assert handle.engine is engine and handle.vram_budget == first  # re-attaching would put every weight back first
+    del engine.orig_device[-1]
+    assert torch.equal(_run(model, x), ref)
     handle.remove()
     h.remove()

@@ -137,10 +137,10 @@ class StreamingEngine:
         self.after_entry_call: Callable[[], None] | None = None
         """Set by the handle of a ``vram_budget="auto"`` offload: after its first call the activations'
         measurement, after the second the re-plan (and by an ``Arena("auto")`` member's)."""
-        self.on_oom: Callable[[BaseException, bool], bool] | None = None
-        """Set by the handle of a ``vram_budget="auto"`` offload until its first call returns: told of a
-        call that ran out of device memory (and whether running it again is safe), it re-plans smaller
-        and says whether the scheduler should run the call again (``Scheduler``'s entry points)."""
+        self.on_oom: Callable[[BaseException], None] | None = None
+        """Set by the handle of a ``vram_budget="auto"`` offload until its first call returns: told of an
+        entry call that ran out of device memory, it attaches the component smaller for the next call
+        and notes so on the error, which the entry point then raises (``Scheduler``)."""
 
     # ---------------------------------------------------------------------------------------------
     # attach / detach

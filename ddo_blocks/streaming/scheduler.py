@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import logging
 import threading
 import time
@@ -23,7 +22,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ..errors import OffloadStateError
 from ..units import Unit
@@ -102,18 +100,6 @@ def _any_requires_grad(tree: Any) -> bool:
     if isinstance(tree, dict):
         return any(_any_requires_grad(x) for x in tree.values())
     return False
-
-
-def versions(module: nn.Module, args: tuple, kwargs: dict) -> list[int] | None:
-    """The version counters of a call's input tensors and of the module's parameters and buffers (an
-    in-place write moves one; pointing a tensor at other memory, as the engine does, does not), or
-    ``None`` where one cannot be read (inference tensors keep none): whether a call that failed left
-    its inputs and the module as they were, so that running it again gives what it would have given."""
-    try:
-        return ([t._version for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-                + [t._version for t in itertools.chain(module.parameters(), module.buffers())])
-    except RuntimeError:  # an inference tensor
-        return None
 
 
 def compute_stream(device: torch.device) -> Callable[[], int]:
@@ -200,7 +186,7 @@ class Scheduler:
                 continue
             while method in _ENTRIES:  # a stale wrapper of an earlier offload (not a user's wrapper of it)
                 method = method.__wrapped__
-            wrapper = self._wrap_entry(method, name)
+            wrapper = self._wrap_entry(method)
             setattr(self.module, name, wrapper)
             self._wrapped.append((name, wrapper, previous))
 
@@ -223,7 +209,7 @@ class Scheduler:
         self._running = None
         self._inflight.clear()
 
-    def _wrap_entry(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def _wrap_entry(self, method: Callable[..., Any]) -> Callable[..., Any]:
         sched = self
 
         @functools.wraps(method)  # keeps the signature visible (pipelines inspect forward's parameters)
@@ -233,20 +219,17 @@ class Scheduler:
             with sched.lock:
                 if not sched.active:  # removed while this thread waited for the lock
                     return method(*args, **kwargs)
-                on_oom = getattr(sched.pipeline, "on_oom", None) if sched.depth == 0 else None
-                if on_oom is None:
-                    return sched.dispatch(method, args, kwargs)
-                before = versions(sched.module, args, kwargs)
                 try:
                     return sched.dispatch(method, args, kwargs)
                 except torch.OutOfMemoryError as exc:
-                    again = (before is not None and versions(sched.module, args, kwargs) == before
-                             and sched.hook_scan.hooks_on()[1] is None)
-                    if not on_oom(exc, again):
-                        raise
-            # Out of the except clause, the failed call's frames (its activations) are freed: the call
-            # runs again through the entry point the offload attached smaller (on_oom re-planned it).
-            return getattr(sched.module, name)(*args, **kwargs)
+                    on_oom = getattr(sched.pipeline, "on_oom", None) if sched.depth == 0 else None
+                    if on_oom is not None:  # vram_budget="auto" before its first call returned
+                        try:
+                            on_oom(exc)  # attaches smaller for the next call, and says so on the error
+                        except Exception as other:  # noqa: BLE001 - the call's own error is the one to see
+                            exc.add_note(f"ddo_blocks: attaching smaller after it failed too "
+                                         f"({type(other).__name__}: {other})")
+                    raise
 
         _ENTRIES.add(entry)
         return entry
