@@ -90,6 +90,8 @@ class OffloadHandle:
         """The ``vram_budget="auto"`` state (what was measured and chosen), or None."""
         self._smallest = 0
         """``auto``: the route's smallest plan, where a first call that ran out of memory goes."""
+        self._squeezed = False
+        """On an ``Arena("auto")``: the first call ran out of device memory (:meth:`_arena_first_call_oom`)."""
         self._rebuild: tuple[routes.RouteSpec, dict[str, Any]] | None = None
         """The route and its options: what ``replan`` and the auto budget attach again with."""
         self.lossless: dict[str, Any] | None = None
@@ -298,22 +300,66 @@ class OffloadHandle:
         note["replan_s"] = time.perf_counter() - t0
         log.info("ddo_blocks: %s: codec='lossless' %s", self.component, note["replan"])
 
+    def _wire_arena(self) -> None:
+        """An arena member: the re-plan after its first clean call (``Arena("auto")``), and on such an
+        arena what its first call running out of device memory does."""
+        engine = self.engine
+        engine.after_entry_call = self._arena_replan
+        if engine.slots.member.arena.auto is not None:
+            engine.on_oom = self._arena_first_call_oom
+
     def _arena_replan(self) -> None:
         """On an ``Arena("auto")``, after the first call: plans the component again, once, with the budget
         its phase has now that its activations are measured (``arena.AutoArena``), when that is at least
         10 % more than it planned with; a failed attach attaches the first plan again."""
         engine = self.engine
-        engine.after_entry_call = None
-        new = engine.slots.replan_budget(self.vram_budget is None)
+        if not engine.scheduler.last_call_clean:
+            return  # an error or an interrupt measured nothing: the next clean call does
+        engine.after_entry_call = engine.on_oom = None
+        new = engine.slots.replan_budget(self.vram_budget is None or self._squeezed)
         if new is None:
             return
         engine.slots.enter_own_phase()  # the arena's budget is this component's phase now: it plans with it
-        failed = self._attach_again(None, fallback_budget=engine.budget)
+        failed = self._attach_again(self.vram_budget, fallback_budget=engine.budget)
         if failed is not None:
             log.warning("ddo_blocks: %s: re-planning on the auto arena failed (%s); the first plan's budget is "
                         "attached again", self.component, failed)
             return
         log.info("ddo_blocks: %s: re-planned on the auto arena with %s", self.component, fmt_bytes(new))
+
+    def _arena_first_call_oom(self, exc: BaseException) -> None:
+        """On an ``Arena("auto")``, the component's first call ran out of device memory (its activations,
+        not known yet, did not fit beside the arena's first budget): its phase holds only what it holds
+        itself from now until its activations are measured (the others' chunks go back to the driver at
+        its next call), it is attached at its smallest plan, and a note on ``exc`` says to call again (not
+        re-run here: see :meth:`_first_call_oom`). After that call measures, it is planned again once
+        with its phase's budget (:meth:`_arena_replan`)."""
+        engine = self.engine
+        arena = engine.slots.member.arena
+        where = f"ddo_blocks: {self.component} (Arena('auto'))"
+        spec, options = self._rebuild
+        smallest = _budget("min", self.module, spec, options)
+        if self._squeezed and engine.budget <= smallest:
+            exc.add_note(f"{where} ran out of device memory at its smallest plan ({fmt_bytes(smallest)}), the arena "
+                         "holding nothing of the other components in its phase: the call's activations do not fit "
+                         "beside it. Free device memory, or make the call smaller (resolution, frames, batch)")
+            return
+        arena.auto.squeezed.add(engine.slots.member.name)
+        self._squeezed = True
+        if engine.budget > smallest:
+            failed = self._attach_again(smallest, fallback_budget=self.vram_budget)
+            if failed is not None:
+                exc.add_note(f"{where} ran out of device memory at its first call; attaching its smallest plan "
+                             f"failed ({failed}), the first plan is attached again")
+                self._wire_arena()
+                return
+        self._wire_arena()
+        exc.add_note(f"{where} ran out of device memory at its first call (its activations were not known yet): it "
+                     f"is attached at its smallest plan ({fmt_bytes(smallest)}) and its phase keeps no chunk of the "
+                     "other components now: call it again; that call measures the activations, and the component "
+                     "is planned with its phase's budget after it")
+        log.warning("%s: the first call ran out of device memory; attached at the smallest plan (%s)", where,
+                    fmt_bytes(smallest))
 
     def _attach_again(self, budget: int | None, *, fallback_budget: int | None, measured: Any = None) -> Exception | None:
         """Detaches the engine and attaches a new one of the same route and options planned with
@@ -489,7 +535,7 @@ def offload(
     if auto is not None:
         handle._auto_budget(auto, spec, route_options)
     elif hasattr(getattr(engine, "slots", None), "replan_budget") and getattr(engine, "after_entry_call", 0) is None:
-        engine.after_entry_call = handle._arena_replan  # Arena("auto"): planned again once with its phase's budget
+        handle._wire_arena()  # Arena("auto"): planned again once with its phase's budget
     elif route_options.get("codec") == "lossless" and spec.codec_reserve is None and hasattr(engine, "after_entry_call"):
         # the linear route's choice (the NVMe route's lossless is its smaller code: the disk is the bound)
         handle._wire_lossless()  # the measured compute weighs the codings again, once

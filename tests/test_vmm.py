@@ -575,6 +575,111 @@ def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypa
     arena.close()
 
 
+def test_an_auto_arena_member_whose_first_call_runs_out_of_memory_gets_a_phase_of_its_own(flux, vae, monkeypatch):
+    """Arena("auto") on a small card: the VAE's first decode runs out of device memory beside the
+    arena's first budget (half the free memory). The error says to call again; the VAE is attached at
+    its smallest plan and its phase keeps none of the transformer's chunks until its activations are
+    measured; the next decode measures them and the VAE is planned again with its phase's budget (no
+    floor of a quarter of the free memory: its activations take most of the card). Outputs stay exact,
+    and a decode that runs out of memory at the smallest plan too says so."""
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
+    free = 3 * slack(bf["all_resident"], flux) // 2
+    acts = {"transformer": free // 50, "vae": free * 8 // 10}  # 1 - 0.8 is below the old floor of 1/4
+    owner: list[str] = []
+    _fake_auto(monkeypatch, free, lambda: acts[owner[-1]])
+    arena = Arena("auto", _backend=HostChunks(CHUNK, free))
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
+    first_vae = hv.engine.budget
+    oom = {"left": 1}
+
+    def out_of_memory(module, args):
+        if oom["left"]:
+            oom["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    h = vae.decoder.mid_block.register_forward_pre_hook(out_of_memory)
+    owner.append("transformer")
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    owner.append("vae")
+    with torch.no_grad(), pytest.raises(torch.OutOfMemoryError) as info:
+        vae.decode(lat)
+    assert "call it again" in "\n".join(info.value.__notes__)
+    assert "vae" in arena.auto.squeezed and "vae" not in arena.auto.activations
+    smallest = hv.engine.budget
+    assert smallest < first_vae and hv.engine.streamed
+    mv = next(m for m in arena.members if m.name == "vae")
+    assert arena.auto.phase_budget("vae") == 0  # its phase: what it holds itself
+    with torch.no_grad():
+        assert torch.equal(vae.decode(lat).sample, dec)  # measures, then planned with its phase
+    assert arena.auto.activations["vae"] == acts["vae"]
+    assert arena.auto.phase_budget("vae") == free - acts["vae"] < free // 4
+    assert hv.engine.budget > smallest and hv.engine.on_oom is None
+    mv = next(m for m in arena.members if m.name == "vae")
+    with torch.no_grad():
+        assert torch.equal(vae.decode(lat).sample, dec)
+    assert arena.budget == max(free - acts["vae"], mv.working_chunks() * CHUNK + arena.fixed_bytes)
+    assert arena.mapped_chunks() * CHUNK + arena.fixed_bytes <= arena.budget
+    owner.append("transformer")
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)  # its phase again
+    assert arena.report()["auto_out_of_memory_at_first_call"] == ["vae"]
+    hv.remove()
+    hf.remove()
+    h.remove()
+    arena.close()
+
+
+def test_an_auto_arena_member_interrupted_at_its_first_call_is_planned_again_after_a_clean_one(flux, vae,
+                                                                                             monkeypatch):
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
+    free = 3 * slack(bf["all_resident"], flux) // 2
+    _fake_auto(monkeypatch, free, lambda: free // 50)
+    arena = Arena("auto", _backend=HostChunks(CHUNK, free))
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    first_budget = hf.engine.budget
+
+    def fail(module, args):
+        raise ValueError("refused by the test")
+
+    h = flux.transformer_blocks[-1].register_forward_pre_hook(fail)
+    with torch.no_grad(), pytest.raises(ValueError, match="refused by the test"):
+        flux(**x)
+    h.remove()
+    assert "transformer" not in arena.auto.activations and hf.engine.budget == first_budget
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)  # the first clean call measures; then the re-plan
+    assert hf.engine.budget > 1.5 * first_budget
+    hf.remove()
+    arena.close()
+
+
+def test_an_auto_arena_member_out_of_memory_at_its_smallest_plan_says_so(flux, vae, monkeypatch):
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
+    free = 3 * slack(bf["all_resident"], flux) // 2
+    _fake_auto(monkeypatch, free, lambda: free // 50)
+    arena = Arena("auto", _backend=HostChunks(CHUNK, free))
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
+
+    def out_of_memory(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    h = vae.decoder.mid_block.register_forward_pre_hook(out_of_memory)
+    notes = []
+    for _ in range(2):
+        with torch.no_grad(), pytest.raises(torch.OutOfMemoryError) as info:
+            vae.decode(lat)
+        notes.append("\n".join(info.value.__notes__))
+    assert "call it again" in notes[0] and "ran out of device memory at its smallest plan" in notes[1]
+    h.remove()
+    with torch.no_grad():
+        assert torch.equal(vae.decode(lat).sample, dec)  # memory freed: the offload works, and measures
+    assert "vae" in arena.auto.activations
+    hv.remove()
+    arena.close()
+
+
 @pytest.mark.parametrize("second", ["vae", "streamed"])
 def test_an_auto_arena_member_replans_beside_a_denoiser_larger_than_its_phase(flux, vae, monkeypatch, second):
     """The H200 run of 78c66cf: on a 16 GiB card the transformer re-planned with its phase (free less

@@ -192,7 +192,10 @@ class AutoArena:
     that member's calls run with a budget of ``F - A - margin``: the phase with big activations (a
     VAE decode) takes chunks from the others and gives them to PyTorch, the denoiser's phase has them
     back. A member that planned with the whole arena is planned again once after its first call, with
-    its phase's budget (``OffloadHandle``), when that is at least 10 % more."""
+    its phase's budget (``OffloadHandle``), when that is at least 10 % more. A member whose first call
+    ran out of device memory (:attr:`squeezed`) is attached at its smallest plan; its phase holds only
+    what it holds itself until its next call measures ``A``, and is then ``F - A - margin`` without the
+    floor of ``F / 4`` the others keep."""
 
     def __init__(self, free_bytes: int):
         from ..autobudget import MARGIN_BYTES, MARGIN_FRACTION, START_FRACTION
@@ -201,6 +204,10 @@ class AutoArena:
         self.margin = int(MARGIN_BYTES + MARGIN_FRACTION * free_bytes)
         self.first_bytes = int(free_bytes * START_FRACTION)
         self.activations: dict[str, int] = {}
+        self.squeezed: set[str] = set()
+        """Members whose first call ran out of device memory at the first budget: until their activations
+        are measured their phase holds only what they hold themselves, and once measured it is not
+        kept above the free memory less them (no floor)."""
 
     @classmethod
     def at_creation(cls, device: torch.device) -> AutoArena:
@@ -217,13 +224,17 @@ class AutoArena:
         self.first_bytes = int(self.free_bytes * START_FRACTION)
 
     def phase_budget(self, name: str) -> int:
-        act = self.activations.get(name)
-        return self.first_bytes if act is None else max(self.first_bytes // 2, self.free_bytes - act - self.margin)
+        act, squeezed = self.activations.get(name), name in self.squeezed
+        if act is None:
+            return 0 if squeezed else self.first_bytes  # 0: the arena's phase is what the member holds
+        return max(0 if squeezed else self.first_bytes // 2, self.free_bytes - act - self.margin)
 
     def section(self) -> dict[str, Any]:
         out: dict[str, Any] = {"auto_free_bytes": self.free_bytes, "auto_first_bytes": self.first_bytes,
                                "auto_margin_bytes": self.margin}
         out.update({f"{name}_activation_bytes": a for name, a in self.activations.items()})
+        if self.squeezed:
+            out["auto_out_of_memory_at_first_call"] = sorted(self.squeezed)
         return out
 
 
