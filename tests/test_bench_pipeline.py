@@ -128,3 +128,54 @@ def test_the_phase_activations_are_each_phase_s_peak_over_its_start(monkeypatch)
     # decode: 3100 - 160
     assert phases.activations == {"encode": 300, "denoise": 800, "decode": 2940}
     assert phases.alloc_peak == 3100
+
+
+def test_a_generation_runs_again_after_an_auto_offload_attached_smaller(monkeypatch):
+    """The first call of a ``vram_budget="auto"`` transformer runs out of device memory (raised here):
+    the offload attaches its smallest plan and says to call again; the benchmark runs that generation
+    again, says so in the row, and its images equal the resident pipeline's. An out-of-memory error
+    without that note is the row's own."""
+    import torch
+    from diffusers import FluxPipeline
+
+    import ddo_blocks
+    from benchmarks import pipeline
+    from ddo_blocks import autobudget
+    from ddo_blocks.tiny_pipeline import CALL_DEFAULTS, tiny_components
+
+    pipe = FluxPipeline(**tiny_components("flux"))
+    call = {**CALL_DEFAULTS["flux"], "num_inference_steps": 2}
+    call.pop("prompt", None)
+    cpu = torch.device("cpu")
+    refs, _, _ = pipeline._generations(pipe, cpu, call, 2)
+    weights = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    monkeypatch.setattr(autobudget, "free_bytes", lambda device: int(0.8 * weights))
+    monkeypatch.setattr(autobudget, "MARGIN_BYTES", 0)
+    raised = []
+
+    def out_of_memory(module, args):
+        if handle.vram_budget > handle._smallest:
+            raised.append(handle.vram_budget)
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    h = pipe.transformer.transformer_blocks[-1].register_forward_pre_hook(out_of_memory)
+    handle = ddo_blocks.offload(pipe.transformer, vram_budget="auto", device="cpu", component="transformer")
+    outs, gens, _ = pipeline._generations(pipe, cpu, call, 2)
+    assert len(raised) == 1 and "attached at its smallest plan" in gens[0]["out_of_memory_before"][0]
+    assert "out_of_memory_before" not in gens[1]
+    assert pipeline._compared(outs, refs) == {"exact": True, "latents_exact": True}
+    doc = {"machine": "cpu", "date": "-", "commit": "-", "command": "-", "weights": {"transformer": weights},
+           "call": {}, "prompts": [], "rows": [{"pipeline": "auto", "route": "linear", "vram_budget": "auto",
+                                                 "generations": gens, "peak_gpu_allocated": 0,
+                                                 "host_rss_over_baseline": 0, "exact": True, "latents_exact": True}]}
+    assert "auto, generation 1: ran out of device memory and ran again" in pipeline.markdown(doc)
+    h.remove()
+    handle.remove()
+
+    def plain(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test, no note)")
+
+    h = pipe.transformer.transformer_blocks[-1].register_forward_pre_hook(plain)
+    with pytest.raises(torch.OutOfMemoryError, match="no note"):
+        pipeline._generations(pipe, cpu, call, 1)
+    h.remove()
