@@ -328,6 +328,17 @@ def test_a_second_call_through_another_entry_point_replans_with_the_prior(device
     handle.remove()
 
 
+def _tiny_auto(device_memory):
+    """The tiny transformer, its input, its resident output and its weights' bytes; the "device" with 0.8x
+    of those bytes free and first-call activations of 0.05x."""
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    w = _weights(model)
+    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
+    return model, x, ref, w
+
+
 class _OutOfMemoryAbove:
     """A pre-hook on a block that raises CUDA's out-of-memory error while the offload's budget is above
     ``handle._smallest`` (the activations of a first call that do not fit beside the first budget), at
@@ -350,12 +361,8 @@ def _offload_failing_first(model, hook):
 
 
 def test_a_first_call_out_of_memory_attaches_the_smallest_plan_and_says_to_call_again(device_memory):
-    model = tiny_flux_transformer()
-    x = flux_inputs(model)
-    ref = _run(model, x)
+    model, x, ref, w = _tiny_auto(device_memory)
     snap = snapshot(model)
-    w = _weights(model)
-    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
     hook = _OutOfMemoryAbove()
     handle, h = _offload_failing_first(model, hook)
     first = handle.vram_budget
@@ -383,12 +390,8 @@ def test_a_first_call_out_of_memory_attaches_the_smallest_plan_and_says_to_call_
 
 
 def test_a_call_out_of_memory_at_the_smallest_plan_says_so_and_the_offload_stays_usable(device_memory):
-    model = tiny_flux_transformer()
-    x = flux_inputs(model)
-    ref = _run(model, x)
+    model, x, ref, w = _tiny_auto(device_memory)
     snap = snapshot(model)
-    w = _weights(model)
-    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
     hook = _OutOfMemoryAbove(times=2, always=True)  # the first budget, then the smallest plan too
     handle, h = _offload_failing_first(model, hook)
     for _ in range(2):
@@ -405,11 +408,7 @@ def test_a_call_out_of_memory_at_the_smallest_plan_says_so_and_the_offload_stays
 
 
 def test_an_out_of_memory_after_the_first_call_changes_nothing(device_memory):
-    model = tiny_flux_transformer()
-    x = flux_inputs(model)
-    ref = _run(model, x)
-    w = _weights(model)
-    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
+    model, x, ref, w = _tiny_auto(device_memory)
     handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu")
     assert torch.equal(_run(model, x), ref)
     engine, budget = handle.engine, handle.vram_budget
@@ -424,11 +423,7 @@ def test_an_out_of_memory_after_the_first_call_changes_nothing(device_memory):
 
 
 def test_an_interrupted_first_call_measures_nothing(device_memory):
-    model = tiny_flux_transformer()
-    x = flux_inputs(model)
-    ref = _run(model, x)
-    w = _weights(model)
-    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
+    model, x, ref, w = _tiny_auto(device_memory)
     handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu")
     first = handle.vram_budget
 
@@ -448,11 +443,7 @@ def test_an_interrupted_first_call_measures_nothing(device_memory):
 
 
 def test_a_first_call_out_of_memory_of_a_module_from_the_device_is_not_reattached(device_memory):
-    model = tiny_flux_transformer()
-    x = flux_inputs(model)
-    ref = _run(model, x)
-    w = _weights(model)
-    device_memory.update(free=int(0.8 * w), activations=int(0.05 * w))
+    model, x, ref, w = _tiny_auto(device_memory)
     hook = _OutOfMemoryAbove()
     handle, h = _offload_failing_first(model, hook)
     engine, first = handle.engine, handle.vram_budget

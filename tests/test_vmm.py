@@ -536,6 +536,14 @@ def _fake_auto(monkeypatch, free: int, peak) -> None:
     monkeypatch.setattr(autobudget, "CallPeak", FakePeak)
 
 
+def _auto_arena(monkeypatch, whole: int, peak) -> tuple[int, Arena]:
+    """An ``Arena("auto")`` on the host emulation with 1.5x ``whole`` free (half of it: the first budget);
+    ``peak(free)`` gives each call's activations."""
+    free = 3 * whole // 2
+    _fake_auto(monkeypatch, free, lambda: peak(free))
+    return free, Arena("auto", _backend=HostChunks(CHUNK, free))
+
+
 def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypatch):
     """Arena("auto"): half the free memory until a member's first call measured its activations; then
     each member's calls run with the free memory less its own activations (the margin set to 0 here):
@@ -634,9 +642,7 @@ def test_an_auto_arena_member_whose_first_call_runs_out_of_memory_gets_a_phase_o
 def test_an_auto_arena_member_interrupted_at_its_first_call_is_planned_again_after_a_clean_one(flux, vae,
                                                                                              monkeypatch):
     x, ref, lat, dec, bf, bv = _pair(flux, vae)
-    free = 3 * slack(bf["all_resident"], flux) // 2
-    _fake_auto(monkeypatch, free, lambda: free // 50)
-    arena = Arena("auto", _backend=HostChunks(CHUNK, free))
+    free, arena = _auto_arena(monkeypatch, slack(bf["all_resident"], flux), lambda free: free // 50)
     hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
     first_budget = hf.engine.budget
 
@@ -657,9 +663,7 @@ def test_an_auto_arena_member_interrupted_at_its_first_call_is_planned_again_aft
 
 def test_an_auto_arena_member_out_of_memory_at_its_smallest_plan_says_so(flux, vae, monkeypatch):
     x, ref, lat, dec, bf, bv = _pair(flux, vae)
-    free = 3 * slack(bf["all_resident"], flux) // 2
-    _fake_auto(monkeypatch, free, lambda: free // 50)
-    arena = Arena("auto", _backend=HostChunks(CHUNK, free))
+    free, arena = _auto_arena(monkeypatch, slack(bf["all_resident"], flux), lambda free: free // 50)
     hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
 
     def out_of_memory(module, args):
@@ -745,9 +749,7 @@ def test_a_failed_replan_on_the_auto_arena_attaches_the_first_budget_again(flux,
     from ddo_blocks import routes
 
     x, ref, lat, dec, bf, bv = _pair(flux, vae)
-    free = 3 * slack(bf["all_resident"], flux) // 2
-    _fake_auto(monkeypatch, free, lambda: free // 50)
-    arena = Arena("auto", _backend=HostChunks(CHUNK, free))
+    free, arena = _auto_arena(monkeypatch, slack(bf["all_resident"], flux), lambda free: free // 50)
     hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
     first = hf.engine.budget
     spec = routes.get("vmm")
