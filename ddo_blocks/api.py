@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import _native, env, routes
-from .autobudget import AutoBudget
+from .autobudget import REPLAN_GAIN, AutoBudget
 from .budget import fmt_bytes, parse_bytes
 from .errors import ConfigError, CudaNotAvailableError, OffloadStateError
 from .report import Report, build_report
@@ -193,10 +193,7 @@ class OffloadHandle:
                          "weights on the device): the call's activations do not fit beside it. Free device memory, "
                          "or make the call smaller (resolution, frames, batch)")
             return
-        if any(d.type != "cpu" for d in getattr(self.engine, "orig_device", {}).values()):
-            exc.add_note(f"{where} ran out of device memory at the first budget {fmt_bytes(first)}; the module came "
-                         "from the device, where re-attaching it would first put every weight back: remove() the "
-                         "offload and pass a smaller vram_budget (bytes or 'min')")
+        if self._from_device(exc, where):
             return
         failed = self._attach_again(self._smallest, fallback_budget=first)
         if failed is not None:
@@ -317,6 +314,10 @@ class OffloadHandle:
             return  # an error or an interrupt measured nothing: the next clean call does
         engine.after_entry_call = engine.on_oom = None
         new = engine.slots.replan_budget(self.vram_budget is None or self._squeezed)
+        if new is not None and self.vram_budget is not None:  # squeezed below a budget of its own: back to it
+            new = min(new, self.vram_budget)
+            if new < engine.budget * (1 + REPLAN_GAIN):
+                return
         if new is None:
             return
         engine.slots.enter_own_phase()  # the arena's budget is this component's phase now: it plans with it
@@ -326,6 +327,16 @@ class OffloadHandle:
                         "attached again", self.component, failed)
             return
         log.info("ddo_blocks: %s: re-planned on the auto arena with %s", self.component, fmt_bytes(new))
+
+    def _from_device(self, exc: BaseException, where: str) -> bool:
+        """Whether the module's weights came from the device: attaching it again would first put every
+        weight back there, beside the failed call's activations (a note on ``exc`` says what to do)."""
+        if not any(d.type != "cpu" for d in getattr(self.engine, "orig_device", {}).values()):
+            return False
+        exc.add_note(f"{where} ran out of device memory at its first call; the module came from the device, where "
+                     "attaching it again would first put every weight back: remove() the offload and pass a smaller "
+                     "vram_budget (bytes or 'min')")
+        return True
 
     def _arena_first_call_oom(self, exc: BaseException) -> None:
         """On an ``Arena("auto")``, the component's first call ran out of device memory (its activations,
@@ -344,6 +355,8 @@ class OffloadHandle:
                          "holding nothing of the other components in its phase: the call's activations do not fit "
                          "beside it. Free device memory, or make the call smaller (resolution, frames, batch)")
             return
+        if self._from_device(exc, where):
+            return
         arena.auto.squeezed.add(engine.slots.member.name)
         self._squeezed = True
         if engine.budget > smallest:
@@ -357,7 +370,7 @@ class OffloadHandle:
         exc.add_note(f"{where} ran out of device memory at its first call (its activations were not known yet): it "
                      f"is attached at its smallest plan ({fmt_bytes(smallest)}) and its phase keeps no chunk of the "
                      "other components now: call it again; that call measures the activations, and the component "
-                     "is planned with its phase's budget after it")
+                     "is planned again after it with its phase's budget (within a budget of its own, if given)")
         log.warning("%s: the first call ran out of device memory; attached at the smallest plan (%s)", where,
                     fmt_bytes(smallest))
 

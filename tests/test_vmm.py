@@ -586,56 +586,102 @@ def test_an_auto_arena_sizes_each_phase_from_its_activations(flux, vae, monkeypa
 def test_an_auto_arena_member_whose_first_call_runs_out_of_memory_gets_a_phase_of_its_own(flux, vae, monkeypatch):
     """Arena("auto") on a small card: the VAE's first decode runs out of device memory beside the
     arena's first budget (half the free memory). The error says to call again; the VAE is attached at
-    its smallest plan and its phase keeps none of the transformer's chunks until its activations are
-    measured; the next decode measures them and the VAE is planned again with its phase's budget (no
-    floor of a quarter of the free memory: its activations take most of the card). Outputs stay exact,
-    and a decode that runs out of memory at the smallest plan too says so."""
+    its smallest plan and its phase holds none of the transformer's chunks until its activations are
+    measured, while the transformer still joins and is planned again beside it; the next decode
+    measures them and the VAE is planned again with its phase's budget (no floor of a quarter of the
+    free memory: its activations take most of the card). Outputs stay exact."""
     x, ref, lat, dec, bf, bv = _pair(flux, vae)
-    free = 3 * slack(bf["all_resident"], flux) // 2
-    acts = {"transformer": free // 50, "vae": free * 8 // 10}  # 1 - 0.8 is below the old floor of 1/4
+    acts = {"transformer": 0, "vae": 0}
     owner: list[str] = []
-    _fake_auto(monkeypatch, free, lambda: acts[owner[-1]])
-    arena = Arena("auto", _backend=HostChunks(CHUNK, free))
+    free, arena = _auto_arena(monkeypatch, slack(bf["all_resident"], flux), lambda free: acts[owner[-1]])
+    acts.update(transformer=free // 50, vae=free * 8 // 10)  # 1 - 0.8 is below the old floor of 1/4
     hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
     hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
-    first_vae = hv.engine.budget
-    oom = {"left": 1}
+    first_vae, first_flux = hv.engine.budget, hf.engine.budget
+    seen: list[tuple[int, int, int]] = []
 
     def out_of_memory(module, args):
-        if oom["left"]:
-            oom["left"] -= 1
+        if not arena.auto.squeezed:
             raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        mv = next(m for m in arena.members if m.name == "vae")  # inside the measuring call: its phase
+        seen.append((arena.budget, mv.working_chunks() * CHUNK + arena.fixed_bytes,
+                     arena.mapped_chunks() - mv.mapped_chunks()))
 
     h = vae.decoder.mid_block.register_forward_pre_hook(out_of_memory)
-    owner.append("transformer")
-    with torch.no_grad():
-        assert torch.equal(flux(**x)[0], ref)
     owner.append("vae")
     with torch.no_grad(), pytest.raises(torch.OutOfMemoryError) as info:
         vae.decode(lat)
     assert "call it again" in "\n".join(info.value.__notes__)
-    assert "vae" in arena.auto.squeezed and "vae" not in arena.auto.activations
+    assert arena.auto.squeezed == {"vae"} and "vae" not in arena.auto.activations
     smallest = hv.engine.budget
-    assert smallest < first_vae and hv.engine.streamed
-    mv = next(m for m in arena.members if m.name == "vae")
-    assert arena.auto.phase_budget("vae") == 0  # its phase: what it holds itself
+    assert smallest < first_vae and hv.engine.streamed and arena.auto.phase_budget("vae") == 0
+    owner.append("transformer")
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)  # measures; planned again (a join) beside the squeezed VAE
+    assert hf.engine.attached and hf.engine.budget > 1.5 * first_flux
+    owner.append("vae")
     with torch.no_grad():
         assert torch.equal(vae.decode(lat).sample, dec)  # measures, then planned with its phase
+    assert len(seen) == 1 and seen[0][0] == seen[0][1] and seen[0][2] == 0  # the others held no chunk in it
     assert arena.auto.activations["vae"] == acts["vae"]
     assert arena.auto.phase_budget("vae") == free - acts["vae"] < free // 4
     assert hv.engine.budget > smallest and hv.engine.on_oom is None
-    mv = next(m for m in arena.members if m.name == "vae")
     with torch.no_grad():
         assert torch.equal(vae.decode(lat).sample, dec)
+    mv = next(m for m in arena.members if m.name == "vae")
     assert arena.budget == max(free - acts["vae"], mv.working_chunks() * CHUNK + arena.fixed_bytes)
     assert arena.mapped_chunks() * CHUNK + arena.fixed_bytes <= arena.budget
     owner.append("transformer")
     with torch.no_grad():
         assert torch.equal(flux(**x)[0], ref)  # its phase again
-    assert arena.report()["auto_out_of_memory_at_first_call"] == ["vae"]
+    assert hf.engine.attached and arena.report()["auto_out_of_memory_at_first_call"] == ["vae"]
     hv.remove()
     hf.remove()
     h.remove()
+    arena.close()
+
+
+def test_an_auto_arena_member_with_a_budget_of_its_own_squeezed_stays_within_it(flux, vae, monkeypatch):
+    """A member given its own smallest budget (``"min"``, as vmm_fast gives text encoders) whose first
+    call runs out of memory: its phase is squeezed, nothing is attached again (it already is at its
+    smallest plan), not even after the measuring call (its phase cannot take it above its own budget);
+    a module whose weights came from the device is not attached again at all (that would put them back
+    first)."""
+    x, ref, lat, dec, bf, bv = _pair(flux, vae)
+    free, arena = _auto_arena(monkeypatch, slack(bf["all_resident"], flux), lambda free: free // 50)
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae", vram_budget="min")
+    engine = hv.engine
+    fail = {"left": 1}
+
+    def out_of_memory(module, args):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    h = vae.decoder.mid_block.register_forward_pre_hook(out_of_memory)
+    with torch.no_grad(), pytest.raises(torch.OutOfMemoryError) as info:
+        vae.decode(lat)
+    assert "call it again" in "\n".join(info.value.__notes__) and arena.auto.squeezed == {"vae"}
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(vae.decode(lat).sample, dec)
+    assert hv.engine is engine and "vae" in arena.auto.activations
+    hv.remove()
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    hf.engine.orig_device[-1] = torch.device("cuda", 0)  # as if a weight had come from the GPU (no parameter has id -1)
+    engine = hf.engine
+    h2 = flux.transformer_blocks[-1].register_forward_pre_hook(out_of_memory)
+    fail["left"] = 1
+    with torch.no_grad(), pytest.raises(torch.OutOfMemoryError) as info:
+        flux(**x)
+    assert "came from the device" in "\n".join(info.value.__notes__)
+    assert hf.engine is engine and "transformer" not in arena.auto.squeezed
+    del hf.engine.orig_device[-1]
+    with torch.no_grad():
+        assert torch.equal(flux(**x)[0], ref)
+    hf.remove()
+    h.remove()
+    h2.remove()
     arena.close()
 
 

@@ -336,7 +336,9 @@ class Arena:
         phase's (another member's phase may be smaller: that member's calls evict part of it)."""
         if self.auto is None:
             return self.cap_chunks
-        return max(0, (self.auto.phase_budget(member.name) - self.fixed_bytes) // self.chunk_bytes)
+        cap = max(0, (self.auto.phase_budget(member.name) - self.fixed_bytes) // self.chunk_bytes)
+        # a squeezed member's phase is at least what it holds itself (as enter_phase makes it)
+        return max(cap, member.working_chunks()) if member.name in self.auto.squeezed else cap
 
     def join(self, member: Member) -> None:
         """Adds a member (at its attach): every member's own working set must still fit beside the
