@@ -23,7 +23,7 @@ import subprocess
 import sys
 from typing import Any
 
-from .measure import GIB, sync, time_forward, write_rows
+from .measure import GIB, call_again, sync, time_forward, write_rows
 
 
 def _digest(t: Any) -> str:
@@ -136,7 +136,16 @@ def main(argv: list[str] | None = None) -> int:
             # starts a new engine; with graphs its first calls are eager, then one capture per slot state
             # (at most 4)
             warmup = 3 + (WARMUP_CALLS + 4 if args.graph else 0)
-            t = time_forward(model, x, dev, repeats=args.repeats, warmup=warmup, keep_output=True)
+            try:
+                t = time_forward(model, x, dev, repeats=args.repeats, warmup=warmup, keep_output=True)
+            except torch.OutOfMemoryError as exc:
+                why = call_again(exc)  # the first call ran out of memory: attached at the smallest plan
+                if why is None:
+                    raise
+                row["out_of_memory_before"] = why
+                del exc
+                torch.cuda.empty_cache()
+                t = time_forward(model, x, dev, repeats=args.repeats, warmup=warmup, keep_output=True)
             rep = handle.report().to_dict()
             auto, plan = rep["auto_budget"], rep["plan"]
             link = rep["roofline"]["link_gb_s"] * 1e9
@@ -157,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             handle.remove()
         except torch.OutOfMemoryError as exc:
             row.update(status="out of memory", error=str(exc).splitlines()[0], exact=False)
+            handle = ddo_blocks.get_handle(model)
+            if handle is not None:  # the next resolution offloads the model again
+                handle.remove()
         rows.append(row)
     del blocker
     try:
@@ -182,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['resolution']} | {g_(r.get('free_bytes'))} | {g_(r.get('first_budget_bytes'))} "
                      f"| {g_(r.get('activation_bytes'))} | {g_(r.get('budget_bytes'))} | {g_(r.get('streamed_bytes'))} "
                      f"| {g_(r.get('gpu_peak_allocated'))} | {r.get('step_s', 0):.3f} | {r.get('roofline_s', 0):.3f} "
-                     f"| {r.get('ratio', 0):.2f}x | {'yes' if r.get('exact') else 'no'} | {r['status']} |")
+                     f"| {r.get('ratio', 0):.2f}x | {'yes' if r.get('exact') else 'no'} | {r['status']}"
+                     f"{' (the first call ran out of memory and was called again)' if r.get('out_of_memory_before') else ''} |")
     return write_rows(args.out, "auto_budget", doc, "\n".join(lines) + "\n")
 
 

@@ -229,3 +229,13 @@ def write_rows(out: str, stem: str, doc: dict[str, Any], markdown: str) -> int:
     (folder / f"{stem}.md").write_text(markdown)
     print(markdown)
     return 0 if all(r.get("exact") is not False for r in doc["rows"]) else 1
+
+
+def call_again(exc: BaseException) -> str | None:
+    """The note of ddo_blocks on an out-of-memory error saying the component was attached smaller and to
+    call it again (``vram_budget="auto"``'s first call), its first line; else ``None`` (the error is the
+    run's own)."""
+    for note in getattr(exc, "__notes__", None) or []:
+        if note.startswith("ddo_blocks:") and "call it again" in note:
+            return note.splitlines()[0]
+    return None

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.measure import host_rss, write_rows
+from benchmarks.measure import call_again, host_rss, write_rows
 
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
@@ -189,7 +189,7 @@ def _generations(pipe: Any, device: torch.device, call: dict[str, Any], n: int, 
                         generator=torch.Generator("cpu").manual_seed(0), **call).images)
                     break
                 except torch.OutOfMemoryError as exc:
-                    why = _call_again(exc)
+                    why = call_again(exc)
                     if why is None or len(failed) >= MAX_CALLS_AGAIN:
                         raise
                     failed.append(why)  # a component of ours attached smaller: the generation runs again
@@ -212,15 +212,6 @@ def _generations(pipe: Any, device: torch.device, call: dict[str, Any], n: int, 
 MAX_CALLS_AGAIN = 4
 """Times a generation runs again after an offload of ours ran out of device memory at a first call and
 attached smaller (``vram_budget="auto"``, ``Arena("auto")``: one per component at most)."""
-
-
-def _call_again(exc: BaseException) -> str | None:
-    """The note of ours on an out-of-memory error that says the component was attached smaller and
-    to call again (its first line), else ``None`` (the error is the row's)."""
-    for note in getattr(exc, "__notes__", None) or []:
-        if note.startswith("ddo_blocks:") and "call it again" in note:
-            return note.splitlines()[0]
-    return None
 
 
 def _compared(outs: list[tuple[torch.Tensor, torch.Tensor | None]],
