@@ -9,7 +9,9 @@ measures its resident step at each resolution on the whole card, then fills the 
 first call runs at half the free memory and measures its activations, the second each unit's compute,
 after it the component is re-planned once. Per resolution: the first and re-planned budgets, the measured activations, the
 steady step, its roofline ``max(resident step, streamed / link)`` at the chosen plan, peak GPU memory
-and whether the output equals the resident one (compared as a hash of its bytes).
+and whether the output equals the resident one (compared as a hash of its bytes). A first call that
+runs out of device memory beside the first budget (the offload then attaches its smallest plan and
+says to call again) is called again; the row says so.
 """
 
 from __future__ import annotations
