@@ -20,7 +20,9 @@ On a card (``--card``, the rest of the device filled), ``auto`` is ``Arena("auto
 and, for the linear route and the peers, the static split that fits the card: the free memory less
 the resident row's largest phase activations (a VAE decode's) less the arena's margin. A generation
 in which a first call ran out of device memory beside an ``"auto"`` budget (the component attached at
-its smallest plan, the error saying to call again) runs again; the Markdown says which and why.
+its smallest plan, the error saying to call again) runs again; the Markdown says which and why. It
+ends with the vmm rows' gain against the linear rows' and each peer against our fastest row at or
+below its peak (the driver's used memory).
 """
 
 from __future__ import annotations
@@ -596,6 +598,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 lines += ["", f"{r['pipeline']}, generation {i + 1}: ran out of device memory and ran again (the row's "
                           f"time is the run that finished): {why}"]
     lines += [f"- {line}" for line in gains(doc["rows"])]
+    lines += [f"- {line}" for line in against_peers(doc["rows"])]
     return "\n".join(lines) + "\n"
 
 
@@ -636,6 +639,35 @@ def gains(rows: list[dict[str, Any]]) -> list[str]:
                    f"{_later(v, 'uploaded_bytes') / 1e9:.1f} GB per image"
                    + (f" ({fewer / 1e9:.1f} GB fewer = {ideal:.3f} s at the link's {link:.1f} GB/s); gain / that = "
                       f"{gain / ideal:.2f}" if ideal else ""))
+    return out
+
+
+def _per_image(row: dict[str, Any]) -> float:
+    """Seconds per image: the mean of the generations after the first, or the only one."""
+    return _later(row, "total_s") if len(row["generations"]) > 1 else row["generations"][0]["total_s"]
+
+
+def against_peers(rows: list[dict[str, Any]]) -> list[str]:
+    """Per peer row, the fastest row of ours whose peak (the driver's used memory, the whole device)
+    is at or below the peer's, and how much faster it is per image (issue target: faster than every
+    peer at equal or lower peak), or that no row of ours ran that low."""
+    done = [r for r in rows if not r.get("error") and r.get("generations") and r.get("peak_driver_used")]
+    ours = [r for r in done if r["route"].split("+")[0] in ("linear", "vmm")]
+    out = []
+    for peer in (r for r in done if r["route"] in PEERS):
+        limit, theirs = peer["peak_driver_used"], _per_image(peer)
+        fits = [r for r in ours if r["peak_driver_used"] <= limit]
+        label = f"{peer['pipeline']} ({theirs:.2f} s per image at {limit / 2**30:.2f} GiB driver-used)"
+        if not fits:
+            low = min(ours, key=lambda r: r["peak_driver_used"], default=None)
+            out.append(f"{label}: no row of ours at or below its peak"
+                       + (f" (our lowest: {low['pipeline']} at {_label(low['vram_budget'])}, "
+                          f"{low['peak_driver_used'] / 2**30:.2f} GiB)" if low else ""))
+            continue
+        best = min(fits, key=_per_image)
+        out.append(f"{label}: our fastest at or below its peak is {best['pipeline']} at {_label(best['vram_budget'])}, "
+                   f"{_per_image(best):.2f} s at {best['peak_driver_used'] / 2**30:.2f} GiB: "
+                   f"{theirs / _per_image(best):.2f}x {'faster' if _per_image(best) < theirs else 'as fast or slower'}")
     return out
 
 

@@ -80,6 +80,28 @@ def test_the_vmm_gain_is_set_against_the_bytes_it_did_not_upload():
     assert "20.0 GB fewer = 0.400 s at the link's 50.0 GB/s); gain / that = 2.50" in line
 
 
+def test_each_peer_is_set_against_our_fastest_row_at_or_below_its_peak():
+    from benchmarks.pipeline import against_peers
+
+    gib = 2**30
+
+    def row(pipeline, route, budget, totals, peak):
+        return {"pipeline": pipeline, "route": route, "vram_budget": budget, "peak_driver_used": peak * gib,
+                "generations": [{"total_s": t} for t in totals]}
+
+    rows = [row("resident", "resident", None, [5.0, 5.0], 34),
+            row("vmm", "vmm", 8 * gib, [9.0, 8.6, 8.6], 13.5), row("vmm", "vmm", 16 * gib, [7.0, 5.6, 5.7], 21.5),
+            row("linear", "linear", 8 * gib, [9.0, 8.9, 8.9], 13.5),
+            row("model offload", "model_cpu_offload", None, [12.0, 11.0, 11.0], 24.0),
+            row("sequential offload", "sequential_cpu_offload", None, [120.0], 1.8),
+            {"pipeline": "mmgp", "route": "mmgp", "vram_budget": None, "error": "out of memory"}]
+    model, sequential = against_peers(rows)  # the failed peer has no line; the resident row is no peer
+    assert model.startswith("model offload (11.00 s per image at 24.00 GiB driver-used): our fastest at or below "
+                            "its peak is vmm at 16.00 GiB, 5.65 s at 21.50 GiB: 1.95x faster")
+    assert sequential == ("sequential offload (120.00 s per image at 1.80 GiB driver-used): no row of ours at or below "
+                          "its peak (our lowest: vmm at 8.00 GiB, 13.50 GiB)")
+
+
 def test_sdnq_benchmark_runs_on_the_tiny_transformer(tmp_path):
     import pytest
 
