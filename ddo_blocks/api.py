@@ -377,7 +377,9 @@ class OffloadHandle:
     def _attach_again(self, budget: int | None, *, fallback_budget: int | None, measured: Any = None) -> Exception | None:
         """Detaches the engine and attaches a new one of the same route and options planned with
         ``budget`` (and ``measured``); if that attach fails, one planned with ``fallback_budget`` and no
-        measurement (the plan that worked). Returns the first attempt's error, or ``None``."""
+        measurement (the plan that worked). Returns the first attempt's error, or ``None``; if the second
+        attach fails too, the handle is removed (the detached module is as it was before ``offload()``)
+        and ``OffloadStateError`` says so."""
         spec, options = self._rebuild
         self.engine.detach()
 
@@ -390,7 +392,15 @@ class OffloadHandle:
         try:
             self.preset, self.engine = build(budget, measured)
         except Exception as exc:  # noqa: BLE001 - out of host memory too: the plan that worked goes back
-            _, self.engine = build(fallback_budget, None)
+            try:
+                _, self.engine = build(fallback_budget, None)
+            except Exception as again:
+                self._forget()  # detached above: the module is as it was before offload(), and says so
+                raise OffloadStateError(
+                    f"{self.component}: attaching it again failed ({type(exc).__name__}: {exc}), and so did attaching "
+                    f"the plan that worked ({type(again).__name__}: {again}): the offload is removed and the module is "
+                    "as it was before offload() (its weights where they were); offload() it again"
+                ) from again
             return exc
         return None
 
@@ -403,7 +413,8 @@ class OffloadHandle:
         model, once). Returns whether the plan changed. A failed attach attaches the old plan again.
 
         Raises:
-            OffloadStateError: removed, or no calibration yet (call the module twice first).
+            OffloadStateError: removed, or no calibration yet (call the module twice first); or the new plan's
+                attach failed and so did the old one's: the offload is removed, the module as before offload().
         """
         if self._removed:
             raise OffloadStateError(f"the offload of {self.component} was removed; offload() the module again")

@@ -246,6 +246,29 @@ def test_a_failed_replan_attaches_the_first_budget_again(device_memory, monkeypa
     assert_restored(model, snap)
 
 
+def test_a_replan_whose_fallback_fails_too_removes_the_offload_and_says_so(device_memory, monkeypatch):
+    from ddo_blocks.streaming import engine as engine_mod
+
+    model, x, ref, w = _tiny_auto(device_memory)
+    snap = snapshot(model)
+    handle = ddo_blocks.offload(model, vram_budget="auto", device="cpu")
+    assert torch.equal(_run(model, x), ref)  # the activations
+
+    def refuse(self):
+        raise ddo_blocks.OffloadMemoryError("refused by the test")
+
+    monkeypatch.setattr(engine_mod.StreamingEngine, "attach", refuse)
+    with pytest.raises(ddo_blocks.OffloadStateError, match=r"so did attaching the plan that worked.*offload\(\) it again"):
+        _run(model, x)  # each unit's compute, then the re-plan: both attaches refused
+    assert handle.removed and ddo_blocks.get_handle(model) is None
+    assert_restored(model, snap)
+    assert torch.equal(_run(model, x), ref)  # a plain module again
+    monkeypatch.undo()
+    again = ddo_blocks.offload(model, vram_budget="auto", device="cpu")  # and it can be offloaded again
+    assert torch.equal(_run(model, x), ref)
+    again.remove()
+
+
 def test_auto_refuses_what_it_cannot_do(device_memory):
     model = tiny_flux_transformer()
     device_memory.update(free=ddo_blocks.minimum_budget(model) - 1)
