@@ -349,7 +349,7 @@ class OffloadHandle:
         arena = engine.slots.member.arena
         where = f"ddo_blocks: {self.component} (Arena('auto'))"
         spec, options = self._rebuild
-        smallest = _budget("min", self.module, spec, options)
+        smallest = _budget("min", self.module, spec, options, self.device)
         if self._squeezed and engine.budget <= smallest:
             exc.add_note(f"{where} ran out of device memory at its smallest plan ({fmt_bytes(smallest)}), the arena "
                          "holding nothing of the other components in its phase: the call's activations do not fit "
@@ -538,7 +538,7 @@ def offload(
             raise OffloadStateError(f"{type(module).__name__} {conflict}")
     dev = resolve_device(device)
     auto = _auto_budget(module, spec, options, dev) if vram_budget == "auto" else None
-    budget = auto.first_bytes if auto is not None else _budget(vram_budget, module, spec, options)
+    budget = auto.first_bytes if auto is not None else _budget(vram_budget, module, spec, options, dev)
     if next(module.parameters(), None) is None:
         raise ConfigError(
             f"{type(module).__name__} has no parameters: there is nothing to offload; use route='off'"
@@ -590,7 +590,8 @@ def _route_minimum(module: nn.Module, spec: routes.RouteSpec, options: dict[str,
     return plan.minimum_budget(module, options.get("units", "auto")) + spec.codec_reserve(module, options, dev)
 
 
-def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any]) -> int | None:
+def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any],
+            dev: torch.device) -> int | None:
     """Bytes, a size string, ``None``, or ``"min"``: the smallest plan of a streaming route (the
     always-resident weights plus two slots of the largest unit)."""
     if vram_budget != "min":
@@ -599,7 +600,7 @@ def _budget(vram_budget: Any, module: nn.Module, spec: routes.RouteSpec, options
         raise ConfigError(f"vram_budget='min' is the smallest plan of a route that streams; route {spec.name!r} "
                           "does not stream: pass bytes, a size such as '6GiB', or None")
     extra = spec.min_extra(module, options) if spec.min_extra is not None else 0
-    return _route_minimum(module, spec, options, torch.device("cuda")) + extra
+    return _route_minimum(module, spec, options, dev) + extra
 
 
 def _check_is_module(module: Any, what: str) -> None:

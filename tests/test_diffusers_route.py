@@ -214,3 +214,21 @@ def test_streams_on_cuda_exact_and_restored(flux):
             assert all(torch.equal(o, ref) for o in outs)
         assert_restored(flux, snap)
         assert not any(p.is_pinned() for p in flux.parameters())
+
+
+def test_streams_are_off_on_a_device_that_is_not_the_current_one(monkeypatch):
+    """diffusers makes its copy stream and synchronizes on the current CUDA device: on cuda:1 beside a
+    current cuda:0 its copies would not overlap and every offload would wait for cuda:0, so streams are
+    off by default there and refused when asked; on the current device they stay on by default."""
+    from ddo_blocks.routes.diffusers import check_options
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert check_options("diffusers_leaf_offload_compat", {}, cuda0).use_stream
+    assert not check_options("diffusers_leaf_offload_compat", {}, cuda1).use_stream
+    assert not check_options("diffusers_offload_compat", {}, cuda1).use_stream
+    with pytest.raises(ConfigError, match=r"use_stream=True on cuda:1.*current CUDA device \(cuda:0\).*set_device"):
+        check_options("diffusers_leaf_offload_compat", {"use_stream": True}, cuda1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # cuda:1 made current
+    assert check_options("diffusers_leaf_offload_compat", {"use_stream": True}, cuda1).use_stream
+    assert not check_options("diffusers_leaf_offload_compat", {}, cuda0).use_stream

@@ -11,8 +11,13 @@ page-locked) memory.
 Presets (``python -m ddo_blocks presets``):
 
 - ``diffusers_offload_compat``: ``offload_type="block_level"``, ``num_blocks_per_group=1``,
-  ``use_stream`` on CUDA.
-- ``diffusers_leaf_offload_compat``: ``offload_type="leaf_level"``, ``use_stream`` on CUDA.
+  ``use_stream`` on the current CUDA device.
+- ``diffusers_leaf_offload_compat``: ``offload_type="leaf_level"``, ``use_stream`` on the current CUDA
+  device.
+
+``use_stream`` is off by default, and refused, on a CUDA device that is not the current one
+(``cuda:1`` beside ``cuda:0``): diffusers makes its copy stream and synchronizes on the current
+device, so the copies would not overlap and each offload would wait for the other device.
 
 Route options (each overrides the preset's value): ``offload_type``, ``use_stream``,
 ``record_stream``, ``low_cpu_mem_usage``, ``num_blocks_per_group``, ``offload_to_disk_path``.
@@ -58,7 +63,7 @@ PRESET_OPTIONS: dict[str, dict[str, Any]] = {
     "diffusers_offload_compat": {"offload_type": "block_level", "num_blocks_per_group": 1},
     "diffusers_leaf_offload_compat": {"offload_type": "leaf_level"},
 }
-"""What each preset sets; ``use_stream`` defaults to True on CUDA and False on the CPU for both."""
+"""What each preset sets; ``use_stream`` defaults to True on the current CUDA device, else False."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,8 @@ def check_options(preset: str, options: dict[str, Any], device: torch.device) ->
             f"route 'diffusers' does not know option(s) {', '.join(unknown)}; its options are "
             f"{', '.join(OPTION_NAMES)}"
         )
-    merged: dict[str, Any] = {"use_stream": device.type == "cuda", **PRESET_OPTIONS[chosen.name], **options}
+    current = _is_current(device)
+    merged: dict[str, Any] = {"use_stream": current, **PRESET_OPTIONS[chosen.name], **options}
     offload_type = merged["offload_type"]
     offload_type = getattr(offload_type, "value", offload_type)  # GroupOffloadingType is a str enum
     if offload_type not in OFFLOAD_TYPES:
@@ -122,6 +128,14 @@ def check_options(preset: str, options: dict[str, Any], device: torch.device) ->
         raise ConfigError(
             f"route 'diffusers' use_stream=True needs a CUDA device (copies run on a side stream), but the "
             f"device is {str(device)!r}; pass use_stream=False"
+        )
+    if use_stream and not current:
+        raise ConfigError(
+            f"route 'diffusers' use_stream=True on {device}: diffusers' group offloading makes its copy stream "
+            f"and waits at each offload on the current CUDA device (cuda:{_current_index()}), not on "
+            f"{device}, so its copies would not overlap and every offload would wait for the other device; pass "
+            f"use_stream=False (the default on a device that is not the current one), or make {device} current "
+            "(torch.cuda.set_device) for the offload and for every call"
         )
     if record_stream and not use_stream:
         raise ConfigError("route 'diffusers' record_stream=True needs use_stream=True; pass both or neither")
@@ -154,6 +168,20 @@ def check_options(preset: str, options: dict[str, Any], device: torch.device) ->
         if os.path.exists(disk) and not os.path.isdir(disk):
             raise ConfigError(f"route 'diffusers' offload_to_disk_path={disk!r} exists and is not a directory")
     return GroupOffloadOptions(offload_type, use_stream, record_stream, low_cpu, blocks, disk)
+
+
+def _current_index() -> int:
+    """The current CUDA device's index (0 where CUDA cannot say: its default)."""
+    try:
+        return torch.cuda.current_device()
+    except (RuntimeError, AssertionError):  # no usable CUDA (the checks before an attach run anywhere)
+        return 0
+
+
+def _is_current(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device and the current one: where diffusers' streams go (it makes
+    them and synchronizes with ``torch.cuda`` calls that take no device)."""
+    return device.type == "cuda" and (device.index is None or device.index == _current_index())
 
 
 def check_module(module: nn.Module, name: str | None = None) -> None:
@@ -336,7 +364,7 @@ PRESETS = (
     Preset(
         "diffusers",
         "diffusers_offload_compat",
-        "official diffusers group offloading, block_level, 1 block per group, use_stream on CUDA "
+        "official diffusers group offloading, block_level, 1 block per group, use_stream on the current CUDA device "
         "(options: offload_type, use_stream, record_stream, low_cpu_mem_usage, num_blocks_per_group, "
         "offload_to_disk_path)",
         HostMode.DIFFUSERS_HOOKS,
@@ -346,7 +374,7 @@ PRESETS = (
         "diffusers",
         "diffusers_leaf_offload_compat",
         "official diffusers group offloading, leaf_level (every Linear/Conv/Embedding its own group), "
-        "use_stream on CUDA",
+        "use_stream on the current CUDA device",
         HostMode.DIFFUSERS_HOOKS,
         host_ram_ratio="1.0x; ~1.6x stream",
     ),

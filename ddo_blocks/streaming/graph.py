@@ -291,7 +291,8 @@ def repair_generator(device: torch.device) -> None:
     try:
         if draws():
             return
-        with contextlib.suppress(Exception), torch.cuda.device(device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with (contextlib.suppress(Exception), torch.cuda.device(device),
+              torch.cuda.graph(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream(device))):  # not torch's shared one
             torch.empty(1, device=device).zero_()
         if not draws():
             fresh = torch.Generator(device=device)
