@@ -59,3 +59,26 @@ def test_two_offloads_share_one_host_copy_and_run_side_by_side(two):
     with torch.no_grad():
         assert torch.equal(twin(**x1)[0].cpu(), ref.cpu())  # the replica keeps working
     h1.remove()
+
+
+@pytest.mark.parametrize("options", [{"graph": True}, {"codec": "fixed"}, {"vram_budget": "min"}],
+                         ids=["graph", "codec", "min"])
+@pytest.mark.parametrize("two", [False, True], ids=["one_gpu", "two_gpus"])
+def test_a_streamed_offload_on_a_device_that_is_not_the_current_one_is_exact(two, options):
+    """The paths the two-device audit of session 17 read (graph capture and replay, the codec's decode
+    kernels, the smallest plan's sizing) on cuda:1 while cuda:0 stays the thread's current device:
+    every output equals the resident one (computed on cuda:0; the two-GPU machine's GPUs are alike)."""
+    d0, dev = _devices(two)
+    model = medium_flux()
+    x0 = flux_inputs(model, height=16, width=16, text_len=32, device=d0)
+    ref, _ = _resident_reference(model, x0)
+    x = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in x0.items()}
+    assert torch.cuda.current_device() == 0
+    handle = ddo_blocks.offload(model, device=dev, **{"vram_budget": budgets(model)["half"], **options})
+    with torch.no_grad():
+        outs = [model(**x)[0].cpu() for _ in range(8)]
+    assert torch.cuda.current_device() == 0 and all(torch.equal(o, ref.cpu()) for o in outs)
+    if options.get("graph"):
+        g = handle.report()["graph"]
+        assert g["capture_failures"] == 0 and g["replays"] > 0, g
+    handle.remove()
