@@ -35,11 +35,13 @@ import threading
 from typing import Any
 
 import torch
+from torch import nn
 
 from .. import _native
 from ..budget import fmt_bytes, parse_bytes
 from ..errors import BudgetError, ConfigError, CudaNotAvailableError, DdoError, OffloadMemoryError
 from ..units import Unit, geometry, span_nbytes, strided_view
+from .edits import set_data
 from .slots import TorchSlots
 
 CHUNK_BYTES = 32 << 20
@@ -654,7 +656,7 @@ class Member:
             torch.cuda.current_stream(e.device).wait_stream(stream)
         for i in todo:
             for (_, p), v in zip(self.units[i].params, self.home_views[i]):
-                p.data = v
+                set_data(p, v)
             self.loaded[i] = True
 
     # -- calls -------------------------------------------------------------------------------------
@@ -731,7 +733,7 @@ class Member:
             for i, off in enumerate(self.home_offsets):
                 if self.loaded[i] and off + self.host.unit_nbytes[i] > cut:
                     for (_, p), v in zip(self.units[i].params, self.host.host_views[i]):
-                        p.data = v
+                        set_data(p, v)
                     self.loaded[i] = False
             before, self.home_mapped = self.home_mapped, keep  # the units past the cut are unloaded already
             self.arena.backend.unmap(self.home_base, keep, before - keep)
@@ -778,7 +780,7 @@ class Member:
         if self.host is not None and self.host.host_views:
             for i, unit in enumerate(self.units):
                 for (_, p), v in zip(unit.params, self.host.host_views[i]):
-                    p.data = v
+                    set_data(p, v)
             return
         if self.home is None:
             return
@@ -848,6 +850,24 @@ class ArenaSlots(TorchSlots):
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return self.member.build_slots()[:nbytes]
+
+    def edit_groups(self) -> list[list[tuple[str, nn.Parameter]]]:
+        """The resident units, when the arena keeps host copies of them (it evicts and restores them)."""
+        m = self.member
+        return [u.params for u in m.units] if m.host is not None else []
+
+    def host_copy(self, i: int, j: int) -> torch.Tensor | None:
+        m = self.member
+        return m.host.host_views[i][j] if m.host is not None and m.loaded[i] else None
+
+    def write_back(self, i: int) -> None:
+        """A resident unit edited in the arena: its host copy takes the edit (it is restored from it)."""
+        m = self.member
+        if m.host is None or not m.loaded[i]:
+            return  # evicted: the edit went to the host copy itself
+        with torch.no_grad():
+            for host, home in zip(m.host.host_views[i], m.home_views[i]):
+                host.copy_(home)
 
     def call_started(self) -> None:
         self.member.call_started()

@@ -452,6 +452,10 @@ class CodedSlabs(InMemoryStore):
     slabs = None
     """No :class:`SlabSet`: the report's host figures come from :meth:`report_sections`."""
 
+    @property
+    def parked_where(self) -> str:
+        return f"coded in host memory (codec={self.codec!r})"
+
     @classmethod
     def for_codec(cls, codec: str, quarters: int = QUARTERS):
         """The store factory the engine takes (``store=``) for ``codec``, coding ``quarters`` of the

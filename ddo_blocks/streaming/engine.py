@@ -30,6 +30,7 @@ from ..report import roofline_bound
 from ..routes.spec import HostMode, Preset, UnitInfo
 from ..units import find_unit_modules, geometry, span_nbytes
 from . import bandwidth, coded, plan
+from .edits import EditWatch, Key, get_data, set_data
 from .scheduler import CallRecord, Scheduler, compute_stream
 from .slots import TorchSlots
 from .upload import STAGING_BYTES, copy_from_host, staged_upload
@@ -133,6 +134,13 @@ class StreamingEngine:
         self.graph_bytes = 0
         """Bytes graph replays moved, less those their captures counted without moving them."""
         self._prewaited: set[int] | None = None
+        self.edits: EditWatch | None = None
+        """The watch over the weights users may edit while attached (``edits.py``)."""
+        self._tree: int | None = None
+        self._known: set[int] = set()
+        self._home: dict[tuple[int, str], nn.Parameter] = {}
+        self.adapters: dict[int, torch.Tensor] = {}
+        """Tensors added inside streamed units after the attach (a LoRA's layers): kept on the device."""
         self.on_call_start: Callable[[], None] | None = None
         self.after_entry_call: Callable[[], None] | None = None
         """Set by the handle of a ``vram_budget="auto"`` offload: after its first call the activations'
@@ -169,6 +177,7 @@ class StreamingEngine:
                 copy_stream = self._copy_stream.cuda_stream if self._copy_stream is not None else 0
                 self.transport = self.store.open_transport(n_slots, self.slots.slot_bytes, self.offsets, copy_stream)
             self.scheduler.install()
+            self._watch()
         except Exception as exc:
             self._rollback()
             if isinstance(exc, torch.OutOfMemoryError):
@@ -241,7 +250,14 @@ class StreamingEngine:
         """Undoes whatever part of the attach happened. Safe on a partial attach. Once the store has
         brought back what only it holds, the offload is gone (``attached`` is False), even if a
         later step raises."""
-        deferred = self.store.before_release()  # raises to keep the offload in place
+        watched = self.edits is not None
+        self._unwatch()  # the parts below point parameters at their own memory again
+        try:
+            deferred = self.store.before_release()  # raises to keep the offload in place
+        except BaseException:
+            if watched:
+                self._watch()
+            raise
         was_attached, self._attached = self._attached, False
         self.scheduler.uninstall()
         close_error: DdoError | None = None
@@ -304,10 +320,14 @@ class StreamingEngine:
 
     def bind(self, u: int, slot: int) -> None:
         self.slots.bind(self.streamed[u], u, slot)
+        if self.edits is not None:
+            self.edits.bound(("streamed", u))
 
     def park(self, u: int) -> None:
         for (_, p), v in zip(self.streamed[u].params, self.store.host_views(u)):
-            p.data = v
+            set_data(p, v)
+        if self.edits is not None:
+            self.edits.parked(("streamed", u))
 
     def bytes_moved(self) -> int:
         return (self.transport.stats()[1] if self.transport is not None else 0) + self.graph_bytes
@@ -366,6 +386,8 @@ class StreamingEngine:
             self.transport.fence_slots(self._stream())
 
     def call_started(self) -> None:
+        if self.edits is not None:
+            self._settle_edits()
         self.store.call_started(self.transport)
         self.slots.call_started()
         if self.on_call_start is not None:
@@ -378,6 +400,123 @@ class StreamingEngine:
     def entry_call_done(self) -> None:
         if self.after_entry_call is not None:
             self.after_entry_call()
+
+    # ---------------------------------------------------------------------------------------------
+    # edits users make while attached (edits.py)
+    # ---------------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Watches every parameter whose values this engine keeps somewhere else than where it points:
+        the streamed units' (a host copy, or placeholders between calls) and the arena's resident ones."""
+        groups: list[tuple[Key, list[tuple[str, nn.Parameter]], bool]] = []
+        for u, unit in enumerate(self.streamed):
+            parked = any(getattr(v, "_ddo_placeholder", False) for v in self.store.host_views(u))
+            groups.append((("streamed", u), unit.params, parked))
+        for i, params in enumerate(self.slots.edit_groups()):
+            groups.append((("resident", i), params, False))
+        self._known = {id(t) for t in (*self.module.parameters(), *self.module.buffers())}
+        streamed = {id(p) for unit in self.streamed for _, p in unit.params}
+        self._home = {(id(m), n): p for unit in self.streamed for m in unit.module.modules()
+                      for n, p in m._parameters.items() if p is not None and id(p) in streamed}
+        self._tree = self.scheduler.hook_scan.scan()[0][2]
+        self.edits = EditWatch(type(self.module).__name__, groups, self._host_copy,
+                               lambda: getattr(self.store, "parked_where", "elsewhere"))
+
+    def _unwatch(self) -> None:
+        if self.edits is not None:
+            self.edits.remove()
+            self.edits = None
+
+    def _host_copy(self, key: Key, j: int) -> torch.Tensor | None:
+        """Where an assignment to a watched parameter must also go: its host copy, when the parameter
+        points elsewhere now (a streamed unit in its slot, a resident unit in the arena)."""
+        kind, i = key
+        if kind == "resident":
+            return self.slots.host_copy(i, j)
+        return self.store.host_views(i)[j]
+
+    def _settle_edits(self) -> None:
+        """At a call's start: prefetched copies of edited streamed units are fetched again (their host
+        copy has the edit), arena-resident units edited on the device are copied back to their host
+        copy; a change of the module tree is looked at (``_follow_structure``)."""
+        assert self.edits is not None
+        dirty = self.edits.changed()
+        if dirty:
+            streamed = {i for kind, i in dirty if kind == "streamed"}
+            if streamed:
+                self.scheduler.refetch(streamed)
+            for kind, i in dirty:
+                if kind == "resident":
+                    self.slots.write_back(i)
+        tree = self.scheduler.hook_scan.scan()[0][2]
+        if tree != self._tree:
+            self.scheduler.refresh_modules()
+            self._follow_structure()
+            self._tree = self.scheduler.hook_scan.scan()[0][2]
+
+    def _follow_structure(self) -> None:
+        """The module tree changed since the last call: tensors added inside streamed units (a LoRA's
+        layers, a DoRA magnitude) are adapters, kept on the device; a unit whose module left the tree
+        while another module holds its parameters (peft's unload of a LoRA loaded before the offload
+        puts the base layer back in the LoRA layer's place) follows them to that module; a streamed
+        parameter replaced by another, or held by a module outside its unit otherwise, is refused."""
+        owner = {id(p): u for u, unit in enumerate(self.streamed) for _, p in unit.params}
+        unit_of = {id(unit.module): u for u, unit in enumerate(self.streamed)}
+        component = type(self.module).__name__
+        seen: set[int] = set()
+        strays: dict[int, list[tuple[str, nn.Module, str | None]]] = {}
+
+        def walk(m: nn.Module, name: str, inside: int | None) -> None:
+            seen.add(id(m))
+            inside = unit_of.get(id(m), inside)
+            for n, p in m._parameters.items():
+                if p is None:
+                    continue
+                was = self._home.get((id(m), n))
+                where = f"{name}.{n}" if name else n
+                if was is not None and was is not p:
+                    raise OffloadStateError(
+                        f"{where} of {component} was replaced by a new parameter after the offload (module.weight ="
+                        " nn.Parameter(...), load_state_dict(assign=True)), and its unit streams from the old one's "
+                        "host copy. Edit the parameter in place instead (weight.data.copy_(...), load_state_dict "
+                        "without assign), or call remove() on the handle, change the module, and offload it again"
+                    )
+                u = owner.get(id(p))
+                if u is not None and u != inside:
+                    strays.setdefault(u, []).append((where, m, name or None))
+                if u is None and inside is not None and id(p) not in self._known:
+                    self._adopt(p)
+            for n, b in m._buffers.items():
+                if b is not None and inside is not None and id(b) not in self._known:
+                    if b.device != self.device:
+                        m._buffers[n] = b = b.to(self.device)
+                    self._known.add(id(b))
+            for n, c in m._modules.items():
+                if c is not None:
+                    walk(c, f"{name}.{n}" if name else n, inside)
+
+        walk(self.module, "", None)
+        for u, held in strays.items():
+            holders = {id(m): m for _, m, _ in held}
+            unit = self.streamed[u]
+            if id(unit.module) not in seen and len(holders) == 1:
+                holder = next(iter(holders.values()))
+                self.scheduler.rehook(u, holder)
+                self.streamed[u].module = holder
+                continue
+            where, m, name = held[0]
+            raise OffloadStateError(
+                f"{where} of {component} streams with unit {unit.name!r}, but the module that holds it now, "
+                f"{name or type(m).__name__!r}, runs outside that unit (a layer moved or swapped after the "
+                "offload): it would run without its weights. Call remove() on the handle and offload the module "
+                "again"
+            )
+
+    def _adopt(self, p: nn.Parameter) -> None:
+        """An adapter's parameter inside a streamed unit: on the device, where its unit computes."""
+        if p.device != self.device:
+            set_data(p, get_data(p).to(self.device))
+        self._known.add(id(p))
+        self.adapters[id(p)] = p
 
     # ---------------------------------------------------------------------------------------------
     # figures
@@ -656,6 +795,11 @@ class StreamingEngine:
                  "copy_s": c.h2d_bytes / self.link_bytes_per_s}
                 for c in calls
             ],
+        }
+        sections["edits"] = {
+            "settled": self.edits.settled if self.edits is not None else 0,
+            "adapters": len(self.adapters),
+            "adapter_bytes": sum(t.numel() * t.element_size() for t in self.adapters.values()),
         }
         if self.graph_requested:
             runner = self.scheduler.graph

@@ -190,6 +190,19 @@ class Scheduler:
             setattr(self.module, name, wrapper)
             self._wrapped.append((name, wrapper, previous))
 
+    def rehook(self, u: int, module: nn.Module) -> None:
+        """Streamed unit ``u`` runs as ``module`` from now on (its own module left the tree and this one
+        holds its parameters): its hooks move there."""
+        for h in self._hooks[2 * u: 2 * u + 2]:
+            h.remove()
+        self._hooks[2 * u] = module.register_forward_pre_hook(self._make_pre(u), with_kwargs=True)
+        self._hooks[2 * u + 1] = module.register_forward_hook(self._make_post(u), always_call=True)
+
+    def refresh_modules(self) -> None:
+        """The module tree changed (a layer added or swapped): the per-call hook scan walks the new one."""
+        self.modules = list(self.module.modules())
+        self.hook_scan = guards.HookScan(self.module, self.modules)
+
     def uninstall(self) -> None:
         """Removes the hooks and entry wrappers; safe on a partial install."""
         self.active = False
@@ -279,6 +292,13 @@ class Scheduler:
                 raise
             self._next = (self._next + 1) % len(self.sched)
             self._inflight.append((u, slot))
+
+    def refetch(self, units: set[int]) -> None:
+        """Fetches the prefetched units among ``units`` again, into the same slots (their host copy was
+        edited since they were fetched): the in-flight state stays as it was."""
+        for u, slot in self._inflight:
+            if u in units:
+                self.pipeline.fetch(u, slot)
 
     def _take_inflight(self, u: int) -> int | None:
         """The slot of unit ``u`` if it is already in flight further down the queue."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..units import Unit, strided_view
+from .edits import set_data
 
 
 class TorchSlots:
@@ -68,7 +69,19 @@ class TorchSlots:
 
     def bind(self, unit: Unit, u: int, slot: int) -> None:
         for (_, p), v in zip(unit.params, self.views[u][slot]):
-            p.data = v
+            set_data(p, v)
+
+    def edit_groups(self) -> list[list[tuple[str, torch.nn.Parameter]]]:
+        """Resident units whose values the pool keeps a host copy of as well (none here: a resident
+        parameter's device memory is its only copy, so an edit through it is seen as it is)."""
+        return []
+
+    def host_copy(self, i: int, j: int) -> torch.Tensor | None:
+        """The host copy of the ``j``-th parameter of resident group ``i``, when it points elsewhere."""
+        return None
+
+    def write_back(self, i: int) -> None:
+        """Copies resident group ``i``'s device values (edited there) to its host copy."""
 
     @property
     def nbytes(self) -> int:

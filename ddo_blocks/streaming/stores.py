@@ -129,6 +129,8 @@ def _slab_views(slabs: SlabSet | None) -> list[torch.Tensor]:
 class HostSlabs(InMemoryStore):
     """Every streamed unit in host slabs (the linear route)."""
 
+    parked_where = "in host memory"
+
     def __init__(self, engine: Any):
         self.engine = engine
         preset: Preset = engine.preset
@@ -181,7 +183,9 @@ class HostSlabs(InMemoryStore):
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
     """A CPU tensor of ``p``'s shape and dtype backed by one element (NaN when floating)."""
     one = torch.full((), float("nan"), dtype=p.dtype) if p.is_floating_point() else torch.zeros((), dtype=p.dtype)
-    return one.expand(p.shape)
+    hollow = one.expand(p.shape)
+    hollow._ddo_placeholder = True  # the edit watch refuses every read of a parameter parked on it
+    return hollow
 
 
 class FileStore:
@@ -191,6 +195,11 @@ class FileStore:
 
     def graph_blocker(self) -> str | None:
         return "the NVMe route reads its units on host threads, which a CUDA graph cannot replay"
+
+    @property
+    def parked_where(self) -> str:
+        return ("read from the checkpoint's files (route='nvme')" if self.codec == "off"
+                else f"coded (codec={self.requested_codec!r}) in a side file or host memory (route='nvme')")
 
     def __init__(self, engine: Any, *, ram_budget: int | None, ram_auto: bool, codec: str = "off",
                  codec_dir: Path | None = None, staged_reserve: int = 0, requested_codec: str | None = None):

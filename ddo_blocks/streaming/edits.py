@@ -1,0 +1,267 @@
+"""Edits to an offloaded component's weights: seen or refused, never missed.
+
+Users change weights while a component is offloaded: peft fuses a LoRA (``weight.data += delta`` or
+``weight.data = fused``), ``load_state_dict`` copies into every parameter, a script edits one in
+place. The engine keeps a streamed unit's bytes in a host copy (and prefetches the next call's first
+units into slots at the end of a call), so an edit that only one copy sees would be missed. The
+contract, enforced here for every parameter whose values the engine keeps somewhere else than where
+the parameter points (the streamed units', and the arena's resident units' on the vmm route):
+
+- **Seen.** Between calls a streamed parameter points at its host copy, so an edit through it
+  lands there. Each such parameter gets a subclass of its own class whose ``data`` property notes
+  every access (any ``.data`` read may be written through) and writes an assignment
+  (``p.data = t``) into the memory the parameter points at (and the host copy, if that is
+  elsewhere) instead of re-pointing it; in-place operations on the parameter itself
+  (``p.copy_``, ``load_state_dict``) move its version counter, which is compared at every call's
+  start. At that start the engine settles what changed: prefetched copies of changed units are
+  fetched again from the host, and arena-resident units edited on the device are copied back to
+  their host copy (they are evicted and restored from it).
+- **Refused.** Where a unit's host copy is not its values (a coded unit, a unit read from disk),
+  its parameters point at placeholders between calls; there the subclass refuses any read of its
+  values, any ``.data`` access and any operation (``OffloadStateError`` naming the parameter and what
+  works) instead of letting a placeholder reach user code. An assignment of another shape or dtype,
+  or of a tensor subclass, is refused too: the unit's layout was fixed at offload time.
+- **Structure.** A layer added inside a streamed unit after the offload (a LoRA's ``lora_A`` /
+  ``lora_B``, a DoRA magnitude) is an adapter: small, it runs where peft puts it (on a GPU offload,
+  moved to the device once and kept there, so switching adapters or their strengths moves no base
+  bytes). A streamed parameter replaced by another, or held by a module that runs outside its
+  unit (a layer swapped out of a unit), is refused at the next call: the unit's plan no longer
+  describes the model.
+
+Everything is undone by ``remove()``: the parameters get their own class back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import OffloadStateError
+
+_DATA = torch._C.TensorBase.data
+"""The ``data`` descriptor of every tensor: what the engine uses to point a parameter somewhere."""
+
+_ATTR = "_ddo_edit"
+"""On a watched parameter: ``(watch, key, name, its position in the group)``."""
+
+
+def get_data(p: torch.Tensor) -> torch.Tensor:
+    """``p.data`` without the watch noting it (the engine's own reads)."""
+    return _DATA.__get__(p)
+
+
+def set_data(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.data = value`` without the watch writing it through (the engine pointing a parameter)."""
+    _DATA.__set__(p, value)
+
+
+# -------------------------------------------------------------------------------------------------
+# the parameter classes
+# -------------------------------------------------------------------------------------------------
+def _watched_get(self: torch.Tensor) -> torch.Tensor:
+    info = self.__dict__.get(_ATTR)
+    if info is not None:
+        info[0].touched.add(info[1])
+    return _DATA.__get__(self)
+
+
+def _watched_set(self: torch.Tensor, value: torch.Tensor) -> None:
+    info = self.__dict__.get(_ATTR)
+    if info is None:
+        _DATA.__set__(self, value)
+    else:
+        info[0].write(self, info, value)
+
+
+def _parked_get(self: torch.Tensor) -> torch.Tensor:
+    info = self.__dict__.get(_ATTR)
+    if info is None:
+        return _DATA.__get__(self)
+    raise info[0].refusal(info[2], "its .data was read")
+
+
+def _parked_set(self: torch.Tensor, value: torch.Tensor) -> None:
+    info = self.__dict__.get(_ATTR)
+    if info is None:
+        _DATA.__set__(self, value)
+    else:
+        raise info[0].refusal(info[2], "its .data was assigned")
+
+
+_METADATA = frozenset({
+    "__get__", "__set__", "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point",
+    "is_complex", "stride", "data_ptr", "is_contiguous", "storage_offset", "__hash__", "requires_grad_",
+    "get_device", "__len__",
+})
+"""What a parked placeholder answers: its shape, dtype, device and flags, never its values."""
+
+
+def _parked_torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    name = getattr(func, "__name__", "")
+    if name in _METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    parked = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)
+                   and _ATTR in a.__dict__), None)
+    if parked is None:  # a parameter whose offload was removed while it stayed parked: no watch to ask
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    watch, _, pname, _ = parked.__dict__[_ATTR]
+    if name == "__repr__":
+        return (f"Parameter({pname}: {tuple(parked.shape)} {parked.dtype}, offloaded by ddo_blocks; "
+                f"{watch.where()} between calls)")
+    raise watch.refusal(pname, f"{name or func} was called on it")
+
+
+_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def _class_for(base: type, parked: bool) -> type:
+    """The watched (``parked``: the placeholder-refusing) subclass of a parameter class, made once."""
+    key = (base, parked)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        if parked:
+            ns = {"data": property(_parked_get, _parked_set),
+                  "__torch_function__": classmethod(_parked_torch_function)}
+            cls = type(base)(f"Parked{base.__name__}", (_class_for(base, False),), ns)
+        else:
+            cls = type(base)(f"Watched{base.__name__}", (base,), {"data": property(_watched_get, _watched_set)})
+        # findable by its module and name (torch.compile looks a parameter's class up that way)
+        name = cls.__name__ if cls.__name__ not in globals() else f"{cls.__name__}_{len(_CLASSES)}"
+        cls.__name__ = cls.__qualname__ = name
+        cls.__module__ = __name__
+        globals()[name] = cls
+        cls._ddo_base = base
+        _CLASSES[key] = cls
+    return cls
+
+
+# -------------------------------------------------------------------------------------------------
+# the watch
+# -------------------------------------------------------------------------------------------------
+Key = tuple[str, int]
+"""A group of parameters the engine settles together: ``("streamed", u)``, ``("resident", i)``."""
+
+
+class EditWatch:
+    """The watched parameters of one engine.
+
+    Args:
+        component: the component's class name, for messages.
+        groups: ``(key, [(name, parameter)], placeholder)`` per group; ``placeholder``: between calls
+            its parameters point at placeholders (refuse every read) rather than at their values.
+        host_of: the host copy of a group's ``i``-th parameter when it is not where the parameter
+            points now (a unit in its slot or in the arena), else ``None``.
+        where: what holds the placeholder groups' values, for messages.
+    """
+
+    def __init__(self, component: str, groups: list[tuple[Key, list[tuple[str, nn.Parameter]], bool]],
+                 host_of: Callable[[Key, int], torch.Tensor | None], where: Callable[[], str]):
+        self.component = component
+        self.host_of = host_of
+        self._where = where
+        self.touched: set[Key] = set()
+        self.params: list[nn.Parameter] = []
+        self.keys: list[Key] = []
+        self.versions: list[int] = []
+        self.placeholder: set[Key] = {key for key, _, ph in groups if ph}
+        self._classes: dict[Key, tuple[list[nn.Parameter], list[type], list[type]]] = {}
+        self._orig: list[type] = []
+        self.settled = 0
+        """Groups settled since attach (edits seen)."""
+        for key, params, placeholder in groups:
+            plist, watched, parked = [], [], []
+            for i, (name, p) in enumerate(params):
+                if _ATTR in p.__dict__:
+                    continue  # a parameter shared by two units: watched once
+                base = type(p)
+                self._orig.append(base)
+                self.params.append(p)
+                self.keys.append(key)
+                p.__dict__[_ATTR] = (self, key, name, i)
+                p.__class__ = _class_for(base, placeholder)
+                plist.append(p)
+                watched.append(_class_for(base, False))
+                parked.append(_class_for(base, True))
+            if placeholder:
+                self._classes[key] = (plist, watched, parked)
+        self.versions = [p._version for p in self.params]
+
+    # -- the engine's side -------------------------------------------------------------------------
+    def bound(self, key: Key) -> None:
+        """A placeholder group's parameters point at their values (a slot): they behave as usual."""
+        got = self._classes.get(key)
+        if got is not None:
+            for p, cls in zip(got[0], got[1]):
+                p.__class__ = cls
+
+    def parked(self, key: Key) -> None:
+        """A placeholder group's parameters point at placeholders again: every read is refused."""
+        got = self._classes.get(key)
+        if got is not None:
+            for p, cls in zip(got[0], got[2]):
+                p.__class__ = cls
+
+    def changed(self) -> set[Key]:
+        """The groups edited since the last call (``.data`` read or assigned, version moved); forgets them."""
+        now = [p._version for p in self.params]
+        dirty = self.touched
+        if now != self.versions:
+            dirty = dirty | {k for k, a, b in zip(self.keys, now, self.versions) if a != b}
+            self.versions = now
+        if dirty:
+            self.touched = set()
+            self.settled += len(dirty)
+        return dirty
+
+    def remove(self) -> None:
+        """Every parameter gets its own class back."""
+        for p, base in zip(self.params, self._orig):
+            p.__dict__.pop(_ATTR, None)
+            p.__class__ = base
+        self.params, self._orig, self._classes = [], [], {}
+
+    # -- the parameters' side ----------------------------------------------------------------------
+    def write(self, p: nn.Parameter, info: tuple, value: Any) -> None:
+        """``p.data = value``: the values go into the memory ``p`` points at (and its host copy)."""
+        _, key, name, i = info
+        now = _DATA.__get__(p)
+        if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
+            raise OffloadStateError(
+                f"{name} of {self.component} is offloaded by ddo_blocks, and its .data was assigned a "
+                f"{type(value).__name__}: an offloaded parameter takes plain tensors of its own shape and dtype "
+                "(the unit's layout was fixed at offload time). Call remove() on the handle, change the module, "
+                "and offload it again"
+            )
+        if value.shape != now.shape or value.dtype != now.dtype:
+            raise OffloadStateError(
+                f"{name} of {self.component} is offloaded by ddo_blocks as {tuple(now.shape)} {now.dtype}, and "
+                f"its .data was assigned {tuple(value.shape)} {value.dtype}: its slot and host copy hold that "
+                "layout only. Call remove() on the handle, change the module, and offload it again"
+            )
+        with torch.no_grad():
+            if value.data_ptr() != now.data_ptr():
+                now.copy_(value)
+            host = self.host_of(key, i)
+            if host is not None and getattr(host, "_ddo_placeholder", False):
+                raise self.refusal(name, "its .data was assigned")
+            if host is not None and host.data_ptr() != now.data_ptr():
+                host.copy_(value)
+        self.touched.add(key)
+
+    def where(self) -> str:
+        return self._where()
+
+    def refusal(self, name: str, what: str) -> OffloadStateError:
+        return OffloadStateError(
+            f"{name} of {self.component} was used outside its unit's call ({what}), but it is offloaded by "
+            f"ddo_blocks and its values are {self.where()} between calls: a placeholder stands in its place. "
+            "Reading or editing such a weight needs its values: apply the change (a LoRA to fuse, DoRA, "
+            "a state dict) before offload(), keep LoRA adapters unfused (they run beside the streamed "
+            "weights), or call remove() on the handle, change the module, and offload it again"
+        )
+
