@@ -26,9 +26,11 @@ from torch import nn
 from .errors import ConfigError
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself on the CPU (a slab view or a CPU weight: shared), else a host copy of it."""
-    return t.detach() if t.device.type == "cpu" else t.detach().to("cpu")
+def _host_copy(t: torch.Tensor, streamed: bool) -> torch.Tensor:
+    """A streamed unit's host view as it is (shared: the replica's offload borrows its slab), else a
+    host copy of its own (what the first offload keeps on its device, the CPU included: sharing that
+    memory would tie the two modules' weights together after either offload is removed)."""
+    return t.detach() if streamed else t.detach().to("cpu", copy=True)
 
 
 def _set(module: nn.Module, name: str, value: Any, kind: str) -> None:
@@ -77,11 +79,14 @@ def share_weights(src: nn.Module, dst: nn.Module) -> nn.Module:
             if x.shape != y.shape:
                 raise ConfigError(f"share_weights: {name} is {tuple(x.shape)} in the source and "
                                   f"{tuple(y.shape)} in the destination")
+    from .streaming.edits import get_data
+
+    streamed = {id(p) for unit in handle.engine.streamed for _, p in unit.params}
     made: dict[int, nn.Parameter] = {}
     for name, p in sp:
         new = made.get(id(p))
         if new is None:
-            new = made[id(p)] = nn.Parameter(_host_copy(p.data), requires_grad=False)
+            new = made[id(p)] = nn.Parameter(_host_copy(get_data(p), id(p) in streamed), requires_grad=False)
         _set(dst, name, new, "_parameters")
     copies: dict[int, torch.Tensor] = {}
     for name, b in sb:

@@ -114,3 +114,53 @@ def test_replica_refuses_a_model_that_keeps_tensors_outside_parameters_and_buffe
     with pytest.raises(ConfigError, match=r"keeps tensors outside its parameters and buffers \(table\)"):
         ddo_blocks.replica(model)
     handle.remove()
+
+
+def _storages(model) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+@pytest.mark.parametrize("first_removed", ["original", "replica"])
+def test_a_removed_offload_owns_its_weights(first_removed):
+    """On the CPU engine the original's resident weights are in host memory too: the replica gets a copy
+    of them, so once either offload is removed, editing its weights leaves the other's outputs alone,
+    and no tensor is shared after both are removed."""
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    b = budgets(model)
+    h0 = ddo_blocks.offload(model, vram_budget=b["half"], device="cpu")
+    twin = ddo_blocks.replica(model)
+    h1 = ddo_blocks.offload(twin, vram_budget=b["all_streamed"], device="cpu")
+    gone, gone_h, alive = (model, h0, twin) if first_removed == "original" else (twin, h1, model)
+    gone_h.remove()
+    with torch.no_grad():
+        for p in gone.parameters():
+            p.mul_(2.0)
+    assert torch.equal(_run(alive, x), ref)
+    (h1 if first_removed == "original" else h0).remove()
+    assert torch.equal(_run(alive, x), ref)
+    assert not _storages(model) & _storages(twin)
+
+
+def test_an_edit_of_weights_shared_with_a_replica_is_refused_by_both():
+    """The replica streams the original's host copies: an edit of one of those through either module
+    would change both (and the replica keeps its own copy of the rest), so both refuse their next call."""
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    b = budgets(model)
+    h0 = ddo_blocks.offload(model, vram_budget=b["all_streamed"], device="cpu")
+    twin = ddo_blocks.replica(model)
+    h1 = ddo_blocks.offload(twin, vram_budget=b["all_streamed"], device="cpu")
+    for m in (model, twin):
+        assert torch.equal(_run(m, x), ref)
+    with torch.no_grad():
+        h0.engine.streamed[0].params[0][1].mul_(1.5)  # in a host slab the replica borrows
+    for m in (twin, model):
+        with pytest.raises(ddo_blocks.OffloadStateError, match="shares its host copies"):
+            _run(m, x)
+    h1.remove()
+    h0.remove()
+    edited = _run(model, x)
+    assert not torch.equal(edited, ref) and torch.equal(_run(model, x), edited)

@@ -218,6 +218,10 @@ class EditWatch:
             self.settled += len(dirty)
         return dirty
 
+    def pending(self) -> bool:
+        """Whether :meth:`changed` would find edits (it is not called: they stay to be settled)."""
+        return bool(self.touched) or [p._version for p in self.params] != self.versions
+
     def remove(self) -> None:
         """Every parameter gets its own class back."""
         for p, base in zip(self.params, self._orig):

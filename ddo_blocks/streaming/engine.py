@@ -29,7 +29,7 @@ from ..errors import BudgetError, CheckpointError, DdoError, OffloadMemoryError,
 from ..report import roofline_bound
 from ..routes.spec import HostMode, Preset, UnitInfo
 from ..units import find_unit_modules, geometry, span_nbytes
-from . import bandwidth, coded, plan
+from . import bandwidth, coded, plan, slabs
 from .edits import EditWatch, Key, get_data, set_data
 from .scheduler import CallRecord, Scheduler, compute_stream
 from .slots import TorchSlots
@@ -228,6 +228,10 @@ class StreamingEngine:
         for p in params:
             if p.device != dev:
                 p.data = p.data.to(dev)
+            elif dev.type == "cpu" and slabs.is_live(p):
+                # the CPU engine keeps resident weights where they are: one in another offload's host slab
+                # (a replica's) gets memory of its own, or the two modules would share it after a removal
+                p.data = p.data.clone()
 
     def detach(self) -> None:
         """Restores every parameter and buffer to its original device with its own memory."""
@@ -420,6 +424,30 @@ class StreamingEngine:
         self._tree = self.scheduler.hook_scan.scan()[0][2]
         self.edits = EditWatch(type(self.module).__name__, groups, self._host_copy,
                                lambda: getattr(self.store, "parked_where", "elsewhere"))
+        for slab in self._slabs():
+            slab.engines.add(self)
+
+    def _slabs(self) -> list[Any]:
+        slabs = self.store.slabs
+        return list(slabs.slabs) if slabs is not None else []
+
+    def _refuse_shared_edits(self) -> None:
+        """Host copies shared with another offload (``share_weights`` / ``replica``: the streamed units'
+        are shared, what each keeps resident is its own): an edit through either module would change
+        both, so it is refused at the next call of each (until both are removed)."""
+        shared = [slab for slab in self._slabs() if slab.users > 1]
+        if not shared:
+            return
+        engines = {id(e): e for slab in shared for e in list(slab.engines)}
+        edited = [e for e in engines.values() if e.edits is not None and e.edits.pending()]
+        if edited:
+            names = " and ".join(sorted({type(e.module).__name__ for e in edited}))
+            raise OffloadStateError(
+                f"weights of {names} were read through .data or edited while it shares its host copies with another "
+                "offload (ddo_blocks.replica / share_weights): the shared streamed weights and each offload's own "
+                "resident copies would disagree. Call remove() on both handles, edit the model, then offload it "
+                "and make the replica again"
+            )
 
     def _unwatch(self) -> None:
         if self.edits is not None:
@@ -439,6 +467,7 @@ class StreamingEngine:
         copy has the edit), arena-resident units edited on the device are copied back to their host
         copy; a change of the module tree is looked at (``_follow_structure``)."""
         assert self.edits is not None
+        self._refuse_shared_edits()
         dirty = self.edits.changed()
         if dirty:
             streamed = {i for kind, i in dirty if kind == "streamed"}

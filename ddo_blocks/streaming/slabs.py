@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,8 @@ class Slab:
     """``_native.HostRegistration`` while page-locked."""
     users: int = 1
     """Offloads holding the slab: its own and those that borrowed units from it."""
+    engines: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    """The engines streaming from it (its own and a replica's): an edit through one is an edit of all."""
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +70,11 @@ class Slab:
         if self.registration is not None:
             self.registration.close()
             self.registration = None
+
+
+def is_live(t: torch.Tensor) -> bool:
+    """Whether ``t`` points into a live slab (an offload's host copy of its streamed units)."""
+    return t.untyped_storage().data_ptr() in _LIVE
 
 
 _WARM: dict[int, Slab] = {}
