@@ -93,7 +93,9 @@ def test_minimum_budget_with_the_codec_runs_and_between_calls_weights_are_placeh
         assert torch.equal(model(**x)[0], ref)
     streamed = handle.engine.streamed[0].params[0][1]
     # the host holds coded bytes only: the parameter is a one-element placeholder of its shape
-    assert streamed.untyped_storage().nbytes() <= 2 and torch.isnan(streamed).all()
+    assert streamed.untyped_storage().nbytes() <= 2
+    with pytest.raises(ddo_blocks.OffloadStateError, match="placeholder"):  # never read as if it were the weight
+        torch.isnan(streamed)
     handle.remove()
     assert not torch.isnan(streamed).any()
 

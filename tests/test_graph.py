@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 import ddo_blocks
 from ddo_blocks.streaming.graph import GraphRunner
-from ddo_blocks.tiny import flux_inputs
+from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
 
 
 class RerunGraphs:
@@ -358,20 +358,24 @@ def test_a_cache_that_grows_now_and_then_keeps_the_graphs(flux):
     handle.remove()
 
 
-def test_a_streamed_parameter_pointed_elsewhere_keeps_the_graph(flux):
-    """A streamed parameter is pointed at its slot at every eager call, so the key leaves it out: a
-    user's ``p.data = ...`` on it changes nothing eagerly nor in a replay, and the graph stays."""
+def test_a_streamed_parameter_assigned_new_values_keeps_the_graph(flux):
+    """A user's ``p.data = ...`` on a streamed parameter writes its values into the unit's host copy
+    (``streaming/edits.py``), which the graph's copies read: the replay computes with them, and the
+    graph stays."""
     x, ref, handle, runner = _offloaded(flux)
+    edited = tiny_flux_transformer()
     with torch.no_grad():
         for _ in range(5):
             flux(**x)
         captures, replays = runner.stats.captures, runner.stats.replays
         assert replays > 0
-        _, p = handle.engine.streamed[0].params[0]
+        name, p = handle.engine.streamed[0].params[0]
         p.data = torch.zeros_like(p.data)
+        edited.get_parameter(name).zero_()
         out = flux(**x)[0]
+        want = edited(**x)[0]
     assert runner.stats.captures == captures and runner.stats.replays == replays + 1
-    assert torch.equal(out, ref)
+    assert torch.equal(out, want) and not torch.equal(out, ref)
     handle.remove()
 
 

@@ -102,7 +102,9 @@ def test_disk_units_hold_no_ram_between_calls(saved):
     handle = _load(root / "single", model, 0)
     streamed = [p for n, p in handle.module.named_parameters() if "blocks." in n]
     assert streamed and all(p.untyped_storage().nbytes() <= 8 for p in streamed)
-    assert all(torch.isnan(p).all() for p in streamed if p.is_floating_point())
+    for p in streamed:  # a placeholder is never read as if it were the weight
+        with pytest.raises(ddo_blocks.OffloadStateError, match="placeholder"):
+            torch.isnan(p)
     with torch.no_grad():
         assert torch.equal(handle.module(**x)[0], ref)
     assert all(p.untyped_storage().nbytes() <= 8 for p in streamed)

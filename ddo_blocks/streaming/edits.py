@@ -94,7 +94,7 @@ def _parked_set(self: torch.Tensor, value: torch.Tensor) -> None:
 _METADATA = frozenset({
     "__get__", "__set__", "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point",
     "is_complex", "stride", "data_ptr", "is_contiguous", "storage_offset", "__hash__", "requires_grad_",
-    "get_device", "__len__",
+    "get_device", "__len__", "untyped_storage",
 })
 """What a parked placeholder answers: its shape, dtype, device and flags, never its values."""
 
