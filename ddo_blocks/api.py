@@ -17,7 +17,7 @@ from .budget import fmt_bytes, parse_bytes
 from .errors import ConfigError, CudaNotAvailableError, OffloadStateError
 from .report import Report, build_report
 from .routes.spec import Engine, EngineRequest, Preset, UnitInfo
-from .streaming import guards
+from .streaming import formats, guards
 
 _ATTR = "_ddo_offload"
 log = logging.getLogger("ddo_blocks")
@@ -536,6 +536,8 @@ def offload(
         conflict = guards.foreign_offload(module)
         if conflict is not None:
             raise OffloadStateError(f"{type(module).__name__} {conflict}")
+    if spec.streams:
+        formats.check_streamable(module, spec.name)
     dev = resolve_device(device)
     auto = _auto_budget(module, spec, options, dev) if vram_budget == "auto" else None
     budget = auto.first_bytes if auto is not None else _budget(vram_budget, module, spec, options, dev)
