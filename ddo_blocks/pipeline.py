@@ -22,6 +22,7 @@ execution-device hook, so ``pipe._execution_device`` is the GPU and latents are 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Self
@@ -42,6 +43,8 @@ SMALL_FRACTION = 0.1
 
 DENOISERS = ("transformer", "unet")
 
+_PIPELINE_OFFLOADS = ("enable_group_offload", "enable_model_cpu_offload", "enable_sequential_cpu_offload")
+
 
 @dataclass
 class PipelineOffload:
@@ -54,6 +57,25 @@ class PipelineOffload:
     policies: dict[str, Any] = field(default_factory=dict)
     arena: Any = None
     """The :class:`~ddo_blocks.Arena` its components share (``preset="vmm_fast"``), closed by ``remove()``."""
+
+    def __post_init__(self) -> None:
+        self._guarded: list[str] = []
+
+    def guard(self) -> None:
+        """Refuses diffusers' own offloading of the pipeline (``enable_group_offload``,
+        ``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``) before it installs anything on
+        any component, the ones kept resident included; ``remove()`` takes the guard away."""
+        for name in _PIPELINE_OFFLOADS:
+            if callable(getattr(self.pipeline, name, None)):
+                self.pipeline.__dict__[name] = functools.partial(self._refuse, name)
+                self._guarded.append(name)
+
+    def _refuse(self, name: str, *args: Any, **kwargs: Any) -> None:
+        raise OffloadStateError(
+            f"{type(self.pipeline).__name__} is offloaded by ddo_blocks.offload_pipeline ({self!r}); "
+            f"pipe.{name}() would move the same weights a second time. Call remove() on the offload_pipeline "
+            "result first, or give a component route='diffusers' for diffusers' own offloading"
+        )
 
     def report(self) -> dict[str, Report]:
         """Every component's report, by component name."""
@@ -76,6 +98,10 @@ class PipelineOffload:
                     handle.remove()
                 except DdoError as exc:  # remove the others; report the first
                     errors.append(exc)
+        for name in self._guarded:
+            if isinstance(self.pipeline.__dict__.get(name), functools.partial):
+                del self.pipeline.__dict__[name]
+        self._guarded = []
         if errors:
             raise errors[0]
         if self.arena is not None and not self.arena.members:
@@ -358,4 +384,6 @@ def offload_pipeline(pipe: Any, *, vram_budget: int | str | None = None, device:
 
     logging.getLogger("ddo_blocks").info("offload_pipeline(%s): %s", type(pipe).__name__,
                                          "; ".join(f"{n}: {p.describe()}" for n, p in policies.items()))
-    return PipelineOffload(pipe, handles, budget, dev, policies, arena)
+    result = PipelineOffload(pipe, handles, budget, dev, policies, arena)
+    result.guard()
+    return result

@@ -147,3 +147,28 @@ def test_a_text_encoder_on_a_second_gpu_gives_the_one_gpu_image(flux_dir):
         assert off.handles["text_encoder_2"].device == torch.device("cuda", 1)
         assert pipe._execution_device == torch.device("cuda", 0)
         assert torch.equal(_image(pipe).cpu(), ref)
+
+
+@pytest.mark.parametrize("method,kwargs", [
+    ("enable_group_offload", {"onload_device": torch.device("cpu"), "offload_type": "block_level",
+                              "num_blocks_per_group": 1}),
+    ("enable_model_cpu_offload", {}),
+    ("enable_sequential_cpu_offload", {}),
+])
+def test_diffusers_offloading_on_top_of_the_pipeline_is_refused_before_it_installs_anything(pipe, method, kwargs):
+    """Every component, those kept resident included, is left as it was: the refusal comes from the
+    pipeline, before diffusers touches any of them."""
+    ref = _image(pipe)
+    weights = sum(sum(p.numel() * p.element_size() for p in m.parameters()) for m in _modules(pipe).values())
+    off = ddo_blocks.offload_pipeline(pipe, vram_budget=int(weights * 0.8), device="cpu")
+    with pytest.raises(OffloadStateError, match=f"pipe.{method}\\(\\) would move the same weights"):
+        getattr(pipe, method)(**kwargs)
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+    for name, module in _modules(pipe).items():
+        assert not _is_group_offload_enabled(module), name
+        hook = module.__dict__.get("_hf_hook")
+        assert hook is None or getattr(hook, "_ddo_owned", False), name
+    assert torch.equal(_image(pipe), ref)
+    off.remove()
+    assert method not in pipe.__dict__
