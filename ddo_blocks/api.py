@@ -539,6 +539,8 @@ def offload(
     if spec.streams:
         formats.check_streamable(module, spec.name)
     dev = resolve_device(device)
+    if spec.check is not None and spec.name in _VALUE_CHECKED:
+        spec.check(None, None, dev, preset=preset, options=dict(options))  # the option values, module-free
     auto = _auto_budget(module, spec, options, dev) if vram_budget == "auto" else None
     budget = auto.first_bytes if auto is not None else _budget(vram_budget, module, spec, options, dev)
     if next(module.parameters(), None) is None:
@@ -582,11 +584,16 @@ def _auto_budget(module: nn.Module, spec: routes.RouteSpec, options: dict[str, A
     return AutoBudget.at_attach(dev, _route_minimum(module, spec, options, dev), type(module).__name__)
 
 
+_VALUE_CHECKED = ("linear", "nvme", "sdnq")
+"""Routes whose ``check`` without a module validates only option values (the others check in their factory)."""
+
+
 def _route_minimum(module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any], dev: torch.device) -> int:
     """The streaming minimum of ``spec`` with its options: the linear route's landing buffers for a codec,
     or what the route's ``codec_reserve`` says (the NVMe route's staging buffer)."""
     if spec.codec_reserve is None:
-        return minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"))
+        return minimum_budget(module, units=options.get("units", "auto"), codec=options.get("codec", "off"),
+                              device=dev)
     from .streaming import plan
 
     return plan.minimum_budget(module, options.get("units", "auto")) + spec.codec_reserve(module, options, dev)
@@ -663,16 +670,19 @@ def _materialize(module: nn.Module, loader: Any) -> None:
             loader.materialize(p, cpu)
 
 
-def minimum_budget(module: nn.Module, *, units: str = "auto", codec: str = "off") -> int:
+def minimum_budget(module: nn.Module, *, units: str = "auto", codec: str = "off",
+                   device: str | torch.device = "cuda") -> int:
     """The smallest ``vram_budget`` (bytes) the linear route accepts for ``module``: always-resident
     weights plus two slots of the largest unit, at the given unit granularity (``auto``: the lower
-    of blocks and their children), plus, with a ``codec``, its landing buffers on a GPU."""
+    of blocks and their children), plus, with a ``codec`` on a GPU ``device``, its landing buffers
+    (on the CPU the codec decodes straight into the slots)."""
     from .streaming import coded, plan
 
     _check_is_module(module, "minimum_budget()")
     if codec not in coded.CODECS:
         raise ConfigError(f"codec={codec!r} is not a codec; use one of {', '.join(map(repr, coded.CODECS))}")
-    return plan.minimum_budget(module, units) + coded.reserve_bytes(module, codec, torch.device("cuda"))
+    dev = torch.device(device) if isinstance(device, str) else device
+    return plan.minimum_budget(module, units) + coded.reserve_bytes(module, codec, dev)
 
 
 def get_handle(module: nn.Module) -> OffloadHandle | None:

@@ -209,3 +209,35 @@ def test_min_budget_everywhere(flux):
     assert OffloadPolicy(route="linear", vram_budget="min").describe() == "linear, budget min"
     with pytest.raises(ConfigError, match="route 'diffusers' does not stream"):
         OffloadPolicy(route="diffusers", vram_budget="min")
+
+
+@pytest.mark.parametrize("stage_option", [{"codec": "zstd"}, {"graph": "yes"}, {"units": "bogus"}])
+def test_wrap_refuses_a_bad_option_value_of_any_stage_before_a_stage_runs(stage_option):
+    """The decode stage's bad value is refused by wrap() itself, not when the decode stage runs after
+    the others ran and stayed offloaded."""
+    from diffusers.modular_pipelines import FluxAutoBlocks
+
+    key, value = next(iter(stage_option.items()))
+    with pytest.raises(ddo_blocks.ConfigError, match=f"{key}={value!r}"):
+        ddo_blocks.wrap(FluxAutoBlocks(), device="cpu", decode={"route": "linear", key: value})
+    with pytest.raises(ddo_blocks.ConfigError, match=f"{key}={value!r}"):
+        ddo_blocks.offload(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), device="cpu",
+                           **stage_option)
+
+
+def test_the_smallest_plan_with_a_codec_on_the_cpu_streams_every_unit():
+    """On the CPU the codec decodes straight into the slots: ``vram_budget="min"`` plans no GPU landing
+    buffers, so every unit streams (coded) as it does without a codec."""
+    from ddo_blocks.tiny import flux_inputs, tiny_flux_transformer
+
+    model = tiny_flux_transformer(dtype=torch.bfloat16)
+    x = flux_inputs(model)
+    with torch.no_grad():
+        ref = model(**x)[0]
+    assert ddo_blocks.minimum_budget(model, codec="fixed", device="cpu") == ddo_blocks.minimum_budget(model)
+    handle = ddo_blocks.offload(model, device="cpu", vram_budget="min", codec="fixed")
+    plan = handle.report()["plan"]
+    assert plan["resident_units"] == 0 and plan["streamed_units"] > 0
+    with torch.no_grad():
+        assert torch.equal(model(**x)[0], ref)
+    handle.remove()

@@ -13,6 +13,7 @@ import psutil
 from ..errors import ConfigError
 from ..units import span_nbytes, split_units
 from .spec import Engine, EngineRequest, HostMode, Preset, RouteSpec, refuse_unknown, staging_threads
+from .values import check_values
 
 PRESETS = (
     Preset(
@@ -86,6 +87,14 @@ def auto(streamed_bytes: int, total_ram: int | None) -> Preset:
     return by_name["one_shot_fast"]
 
 
+def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
+          **_: Any) -> None:
+    """The options' values, before anything moves (``routes/values.py``)."""
+    from ..streaming.coded import CODECS
+
+    check_values("linear", options or {}, codecs=CODECS)
+
+
 def factory(req: EngineRequest) -> tuple[Preset, Engine]:
     from ..streaming import StreamingEngine, coded, plan, stores
     from .resident import OffEngine
@@ -153,6 +162,7 @@ SPEC = RouteSpec(
     presets=PRESETS,
     factory=factory,
     options=("units", "codec", "graph"),
+    check=check,
     auto=auto,
     auto_summary="wsl_compat under WSL, else one_shot_fast when the streamed weights are at most half the RAM, "
                  "else low_ram_safe",

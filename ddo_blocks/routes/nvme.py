@@ -17,6 +17,7 @@ import torch
 from ..budget import parse_bytes
 from ..errors import ConfigError
 from .spec import Engine, EngineRequest, HostMode, Preset, RouteSpec, refuse_unknown, staging_threads
+from .values import check_values
 
 OPTIONS = ("ram_budget", "units", "codec", "codec_dir")
 
@@ -70,6 +71,14 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
                                    units=units, reserve_bytes=reserve)
 
 
+def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
+          **_: Any) -> None:
+    """The options' values, before anything moves (``routes/values.py``)."""
+    from ..streaming.coded import CODES
+
+    check_values("nvme", options or {}, codecs=("off", *CODES, "lossless"))
+
+
 def codec_reserve(module: Any, options: dict[str, Any], device: torch.device) -> int:
     """Device bytes beside the slots for ``vram_budget="min"`` and ``"auto"``: the coded reads' staging
     buffer."""
@@ -86,6 +95,7 @@ SPEC = RouteSpec(
     factory=factory,
     options=OPTIONS,
     codec_reserve=codec_reserve,
+    check=check,
     auto_summary="nvme_baseline with ram_budget (unless given) = half the available RAM, at most the streamed bytes",
     streams=True,
     reads_files=True,

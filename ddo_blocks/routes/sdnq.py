@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .spec import Engine, EngineRequest, HostMode, Preset, RouteSpec, refuse_unknown, staging_threads
+from .values import check_values
 
 SUPPORTED_KINDS = ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
 """The layer kinds (``sdnq_dequantizer.layer_class_name``) whose tensors are all parameters."""
@@ -60,6 +61,7 @@ def check(module: nn.Module | None = None, budget: int | None = None, device: to
           **_: Any) -> None:
     """Refuses, before anything moves, a component without SDNQ layers or with packed layers of a
     kind this route does not carry (naming what it does carry); the module is left untouched."""
+    check_values("sdnq", _.get("options") or {})
     if module is None:
         return
     layers = sdnq_layers(module)

@@ -11,6 +11,7 @@ from typing import Any
 from ..budget import fmt_bytes
 from ..errors import BudgetError, ConfigError
 from .spec import Engine, EngineRequest, HostMode, Preset, RouteSpec, refuse_unknown
+from .values import check_values
 
 PRESETS = (
     Preset(
@@ -71,9 +72,12 @@ def check(module: Any = None, budget: Any = None, device: Any = None, *, options
     will join it, so that members planning before it leave its fixed bytes free."""
     from ..streaming.arena import Arena
 
+    from ..streaming.coded import CODES
+
     arena = (options or {}).get("arena")
     if (options or {}).get("codec") == "lossless":
         raise ConfigError(LOSSLESS_REFUSED)
+    check_values("vmm", options or {}, codecs=("off", *CODES))
     if isinstance(arena, Arena) and module is not None and name:
         opts = options or {}
         arena.expect(name, _fixed_bytes(module, opts.get("units", "auto"), opts.get("codec", "off"),
