@@ -100,6 +100,8 @@ def test_the_lora_lifecycle_after_offload_is_exact(route, checkpoint):
     pair = Pair(route, checkpoint)
     pair.both("LoRA 'a' added after the offload", _lora("a"))
     pair.both("LoRA 'b' added", _lora("b"))
+    edits = pair.handle.report()["edits"]
+    assert edits["adapters"] > 0 and edits["adapter_device_copies"] == 0  # the CPU engine computes on the host
     pair.both("both, with strengths", lambda m: m.set_adapters(["a", "b"], weights=[1.0, 0.4]))
     pair.both("'b' alone", lambda m: m.set_adapters("b"))
     pair.both("adapters disabled", lambda m: m.disable_adapters())
@@ -116,7 +118,7 @@ def test_the_lora_lifecycle_after_offload_is_exact(route, checkpoint):
         pair.check("after the refused fuse")
     pair.both("'b' deleted", lambda m: m.delete_adapters("b"))
     pair.both("LoRA unloaded", lambda m: m.unload_lora())
-    assert pair.handle.report()["edits"]["adapters"] > 0
+    assert pair.handle.report()["edits"]["adapters"] == 0  # gone with the layers that held them
     pair.handle.remove()
     assert all(type(p) is nn.Parameter for p in pair.off.parameters())
     pair.check("after remove()")
@@ -242,5 +244,5 @@ def test_calls_without_edits_fetch_nothing_again(checkpoint):
     for _ in range(3):
         _run(pair.off, pair.x)
     section = pair.handle.report()["edits"]
-    assert section == {"settled": 0, "adapters": 0, "adapter_bytes": 0}
+    assert section == {"settled": 0, "adapters": 0, "adapter_bytes": 0, "adapter_device_copies": 0}
     pair.handle.remove()

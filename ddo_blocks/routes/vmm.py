@@ -71,7 +71,6 @@ def check(module: Any = None, budget: Any = None, device: Any = None, *, options
     """Refuses the CPU (without a test arena) before anything moves; tells the arena a component that
     will join it, so that members planning before it leave its fixed bytes free."""
     from ..streaming.arena import Arena
-
     from ..streaming.coded import CODES
 
     arena = (options or {}).get("arena")

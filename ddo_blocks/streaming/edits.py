@@ -218,6 +218,28 @@ class EditWatch:
             self.settled += len(dirty)
         return dirty
 
+    def add(self, key: Key, name: str, p: nn.Parameter) -> None:
+        """Watches one more parameter (an adapter added inside a unit after the attach)."""
+        if _ATTR in p.__dict__:
+            return
+        base = type(p)
+        self._orig.append(base)
+        self.params.append(p)
+        self.keys.append(key)
+        self.versions.append(p._version)
+        p.__dict__[_ATTR] = (self, key, name, 0)
+        p.__class__ = _class_for(base, False)
+
+    def forget(self, p: nn.Parameter) -> None:
+        """Stops watching ``p`` (it left the module): its own class back."""
+        for i, q in enumerate(self.params):
+            if q is p:
+                p.__dict__.pop(_ATTR, None)
+                p.__class__ = self._orig[i]
+                for seq in (self.params, self._orig, self.keys, self.versions):
+                    del seq[i]
+                return
+
     def pending(self) -> bool:
         """Whether :meth:`changed` would find edits (it is not called: they stay to be settled)."""
         return bool(self.touched) or [p._version for p in self.params] != self.versions

@@ -139,8 +139,13 @@ class StreamingEngine:
         self._tree: int | None = None
         self._known: set[int] = set()
         self._home: dict[tuple[int, str], nn.Parameter] = {}
-        self.adapters: dict[int, torch.Tensor] = {}
-        """Tensors added inside streamed units after the attach (a LoRA's layers): kept on the device."""
+        self.adapters: dict[int, nn.Parameter] = {}
+        """Parameters added inside streamed units after the attach (a LoRA's layers, by id)."""
+        self._mirrors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per adapter parameter whose values are on the host (where peft puts a layer whose base weight
+        is parked there): ``(host values, device copy)``, the copy made once and kept."""
+        self._extras: dict[int, list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+        """Per streamed unit: its mirrored adapters, pointed at their device copy while the unit runs."""
         self.on_call_start: Callable[[], None] | None = None
         self.after_entry_call: Callable[[], None] | None = None
         """Set by the handle of a ``vram_budget="auto"`` offload: after its first call the activations'
@@ -326,12 +331,16 @@ class StreamingEngine:
         self.slots.bind(self.streamed[u], u, slot)
         if self.edits is not None:
             self.edits.bound(("streamed", u))
+            for p, _, mirror in self._extras.get(u, ()):
+                set_data(p, mirror)
 
     def park(self, u: int) -> None:
         for (_, p), v in zip(self.streamed[u].params, self.store.host_views(u)):
             set_data(p, v)
         if self.edits is not None:
             self.edits.parked(("streamed", u))
+            for p, host, _ in self._extras.get(u, ()):
+                set_data(p, host)
 
     def bytes_moved(self) -> int:
         return (self.transport.stats()[1] if self.transport is not None else 0) + self.graph_bytes
@@ -453,6 +462,9 @@ class StreamingEngine:
         if self.edits is not None:
             self.edits.remove()
             self.edits = None
+        for p, host, _ in (x for extras in self._extras.values() for x in extras):
+            set_data(p, host)  # the adapter keeps its host values after the removal, as peft put it
+        self._mirrors, self._extras, self.adapters = {}, {}, {}
 
     def _host_copy(self, key: Key, j: int) -> torch.Tensor | None:
         """Where an assignment to a watched parameter must also go: its host copy, when the parameter
@@ -460,6 +472,8 @@ class StreamingEngine:
         kind, i = key
         if kind == "resident":
             return self.slots.host_copy(i, j)
+        if kind == "adapter":
+            return None  # parked on its host values between calls; its device copy is refreshed
         return self.store.host_views(i)[j]
 
     def _settle_edits(self) -> None:
@@ -476,6 +490,10 @@ class StreamingEngine:
             for kind, i in dirty:
                 if kind == "resident":
                     self.slots.write_back(i)
+                elif kind == "adapter":
+                    with torch.no_grad():
+                        for _, host, mirror in self._extras.get(i, ()):
+                            mirror.copy_(host)
         tree = self.scheduler.hook_scan.scan()[0][2]
         if tree != self._tree:
             self.scheduler.refresh_modules()
@@ -493,6 +511,7 @@ class StreamingEngine:
         component = type(self.module).__name__
         seen: set[int] = set()
         strays: dict[int, list[tuple[str, nn.Module, str | None]]] = {}
+        found: dict[int, tuple[int, str, nn.Parameter]] = {}
 
         def walk(m: nn.Module, name: str, inside: int | None) -> None:
             seen.add(id(m))
@@ -513,7 +532,7 @@ class StreamingEngine:
                 if u is not None and u != inside:
                     strays.setdefault(u, []).append((where, m, name or None))
                 if u is None and inside is not None and id(p) not in self._known:
-                    self._adopt(p)
+                    found.setdefault(id(p), (inside, where, p))
             for n, b in m._buffers.items():
                 if b is not None and inside is not None and id(b) not in self._known:
                     if b.device != self.device:
@@ -524,6 +543,7 @@ class StreamingEngine:
                     walk(c, f"{name}.{n}" if name else n, inside)
 
         walk(self.module, "", None)
+        self._set_adapters(found)
         for u, held in strays.items():
             holders = {id(m): m for _, m, _ in held}
             unit = self.streamed[u]
@@ -540,12 +560,26 @@ class StreamingEngine:
                 "again"
             )
 
-    def _adopt(self, p: nn.Parameter) -> None:
-        """An adapter's parameter inside a streamed unit: on the device, where its unit computes."""
-        if p.device != self.device:
-            set_data(p, get_data(p).to(self.device))
-        self._known.add(id(p))
-        self.adapters[id(p)] = p
+    def _set_adapters(self, found: dict[int, tuple[int, str, nn.Parameter]]) -> None:
+        """The adapters now in the streamed units (``found``: by id, with their unit and name): new ones
+        are watched and, where their values are on the host and the unit computes on a GPU, get a device
+        copy their unit points them at while it runs (switching adapters or strengths moves no base
+        bytes, and peft's fuse computes on the host as the base weight does); gone ones are forgotten."""
+        assert self.edits is not None
+        for pid in [pid for pid in self.adapters if pid not in found]:  # unloaded or deleted
+            self.edits.forget(self.adapters.pop(pid))
+            self._mirrors.pop(pid, None)
+        extras: dict[int, list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+        for pid, (u, name, p) in found.items():
+            if pid not in self.adapters:
+                self.adapters[pid] = p
+                host = get_data(p)
+                if host.device != self.device:
+                    self._mirrors[pid] = (host, host.to(self.device))
+                self.edits.add(("adapter", u), name, p)
+            if pid in self._mirrors:
+                extras.setdefault(u, []).append((p, *self._mirrors[pid]))
+        self._extras = extras
 
     # ---------------------------------------------------------------------------------------------
     # figures
@@ -829,6 +863,7 @@ class StreamingEngine:
             "settled": self.edits.settled if self.edits is not None else 0,
             "adapters": len(self.adapters),
             "adapter_bytes": sum(t.numel() * t.element_size() for t in self.adapters.values()),
+            "adapter_device_copies": len(self._mirrors),
         }
         if self.graph_requested:
             runner = self.scheduler.graph
