@@ -86,7 +86,7 @@ def test_minimum_budget_with_the_codec_runs_and_between_calls_weights_are_placeh
     model = bf16_flux()
     x = flux_inputs(model)
     ref = _ref(model, x)
-    need = ddo_blocks.minimum_budget(model, codec="fixed")
+    need = ddo_blocks.minimum_budget(model, codec="fixed", device="cpu")
     handle = ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="fixed")
     assert handle.vram_budget == need
     with torch.no_grad():
@@ -163,7 +163,7 @@ def test_bad_codec_requests_are_clear_errors_and_leave_the_module_usable():
     x = flux_inputs(model)
     ref = _ref(model, x)
     snap = snapshot(model)
-    with pytest.raises(ddo_blocks.ConfigError, match="codec='zstd' is not a codec; use one of 'off', 'fixed'"):
+    with pytest.raises(ddo_blocks.ConfigError, match="codec='zstd' is not a codec of route='linear'; use one of 'off', 'fixed'"):
         ddo_blocks.offload(model, vram_budget="min", device="cpu", codec="zstd")
     for preset in ("low_ram_safe", "wsl_compat", "warm_process"):
         with pytest.raises(ddo_blocks.ConfigError, match=f"preset {preset!r}.*one_shot_fast"):

@@ -164,7 +164,7 @@ def test_a_checkpoint_without_bf16_weights_refuses_a_codec(tmp_path):
 
 def test_bad_codec_options(ckpt, tmp_path):
     path, model, _, _ = ckpt
-    with pytest.raises(ddo_blocks.ConfigError, match="not a codec of the NVMe route"):
+    with pytest.raises(ddo_blocks.ConfigError, match="not a codec of route='nvme'"):
         _load(path, model, "zstd")
     with pytest.raises(ddo_blocks.ConfigError, match="codec_dir=.* is not a directory"):
         _load(path, model, "fixed", codec_dir=str(tmp_path / "missing"))
