@@ -355,3 +355,18 @@ def test_a_replan_row_replans_before_its_timing(tmp_path: Path):
     assert row["status"] == "ok" and row["id"] == "ours-one_shot_fast_tiered_replan-min", row
     assert isinstance(row["replanned"], bool) and row["replan_s"] >= 0 and row["step_s"] > 0
     assert row["report"]["codec"]["codec"] == "tiered"
+
+
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute:UserWarning")
+def test_lora_benchmark_runs_on_the_tiny_transformer(tmp_path):
+    """benchmarks.lora end to end on the CPU: every unfused row equals the resident model's."""
+    import json
+
+    from benchmarks import lora
+
+    rc = lora.main(["--tiny", "--device", "cpu", "--rank", "4", "--resolution", "128", "--repeats", "2",
+                    "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "lora.json").read_text())
+    exact = [r["exact"] for r in doc["rows"] if "exact" in r]
+    assert rc == 0 and exact == [True, True, True]
+    assert doc["edits"]["adapters"] > 0
