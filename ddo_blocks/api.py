@@ -539,8 +539,8 @@ def offload(
     if spec.streams:
         formats.check_streamable(module, spec.name)
     dev = resolve_device(device)
-    if spec.check is not None and spec.name in _VALUE_CHECKED:
-        spec.check(None, None, dev, preset=preset, options=dict(options))  # the option values, module-free
+    if spec.option_values is not None:
+        spec.option_values(options)
     auto = _auto_budget(module, spec, options, dev) if vram_budget == "auto" else None
     budget = auto.first_bytes if auto is not None else _budget(vram_budget, module, spec, options, dev)
     if next(module.parameters(), None) is None:
@@ -582,10 +582,6 @@ def _auto_budget(module: nn.Module, spec: routes.RouteSpec, options: dict[str, A
         raise ConfigError(f"vram_budget='auto' picks the budget of a route that streams; route {spec.name!r} does "
                           "not stream: pass bytes, a size such as '6GiB', or None")
     return AutoBudget.at_attach(dev, _route_minimum(module, spec, options, dev), type(module).__name__)
-
-
-_VALUE_CHECKED = ("linear", "nvme", "sdnq")
-"""Routes whose ``check`` without a module validates only option values (the others check in their factory)."""
 
 
 def _route_minimum(module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any], dev: torch.device) -> int:

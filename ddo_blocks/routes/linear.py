@@ -87,12 +87,16 @@ def auto(streamed_bytes: int, total_ram: int | None) -> Preset:
     return by_name["one_shot_fast"]
 
 
-def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
-          **_: Any) -> None:
+def option_values(options: dict[str, Any]) -> None:
     """The options' values, before anything moves (``routes/values.py``)."""
     from ..streaming.coded import CODECS
 
-    check_values("linear", options or {}, codecs=CODECS)
+    check_values("linear", options, codecs=CODECS)
+
+
+def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
+          **_: Any) -> None:
+    option_values(options or {})
 
 
 def factory(req: EngineRequest) -> tuple[Preset, Engine]:
@@ -163,6 +167,7 @@ SPEC = RouteSpec(
     factory=factory,
     options=("units", "codec", "graph"),
     check=check,
+    option_values=option_values,
     auto=auto,
     auto_summary="wsl_compat under WSL, else one_shot_fast when the streamed weights are at most half the RAM, "
                  "else low_ram_safe",

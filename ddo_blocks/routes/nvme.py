@@ -71,12 +71,16 @@ def factory(req: EngineRequest) -> tuple[Preset, Engine]:
                                    units=units, reserve_bytes=reserve)
 
 
-def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
-          **_: Any) -> None:
+def option_values(options: dict[str, Any]) -> None:
     """The options' values, before anything moves (``routes/values.py``)."""
     from ..streaming.coded import CODES
 
-    check_values("nvme", options or {}, codecs=("off", *CODES, "lossless"))
+    check_values("nvme", options, codecs=("off", *CODES, "lossless"))
+
+
+def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
+          **_: Any) -> None:
+    option_values(options or {})
 
 
 def codec_reserve(module: Any, options: dict[str, Any], device: torch.device) -> int:
@@ -96,6 +100,7 @@ SPEC = RouteSpec(
     options=OPTIONS,
     codec_reserve=codec_reserve,
     check=check,
+    option_values=option_values,
     auto_summary="nvme_baseline with ram_budget (unless given) = half the available RAM, at most the streamed bytes",
     streams=True,
     reads_files=True,

@@ -57,11 +57,16 @@ def describe_layers(layers: list[tuple[str, nn.Module]]) -> dict[str, int]:
                         f"{getattr(m.sdnq_dequantizer, 'layer_class_name', '?')}" for _, m in layers))
 
 
+def option_values(options: dict[str, Any]) -> None:
+    """The options' values, before anything moves (``routes/values.py``)."""
+    check_values("sdnq", options)
+
+
 def check(module: nn.Module | None = None, budget: int | None = None, device: torch.device | None = None,
           **_: Any) -> None:
     """Refuses, before anything moves, a component without SDNQ layers or with packed layers of a
     kind this route does not carry (naming what it does carry); the module is left untouched."""
-    check_values("sdnq", _.get("options") or {})
+    option_values(_.get("options") or {})
     if module is None:
         return
     layers = sdnq_layers(module)
@@ -156,6 +161,7 @@ SPEC = RouteSpec(
     device_hook=True,
     releasable=True,
     check=check,
+    option_values=option_values,
     claims=lambda module: bool(sdnq_layers(module)),
     claims_auto_of="linear",
 )

@@ -178,7 +178,9 @@ class RouteSpec:
         needs_cuda: the route has no CPU path (``vmm``): on the CPU it refuses with
             ``CudaNotAvailableError`` and the benchmarks skip its rows.
         check: validates a module, preset, budget, device and options before anything moves (blocks
-            call it for every stage before the first runs; ``offload`` before the factory).
+            call it for every stage before the first runs).
+        option_values: validates the values of the route's own options alone (``routes/values.py``),
+            which ``offload`` calls before anything moves.
         claims / claims_auto_of: ``preset="auto"`` on route ``claims_auto_of`` picks this route for a
             module ``claims(module)`` is true of (the sdnq route claims quantized linear components).
     """
@@ -201,6 +203,7 @@ class RouteSpec:
     min_extra: Callable[[nn.Module, dict[str, Any]], int] | None = None
     codec_reserve: Callable[[nn.Module, dict[str, Any], Any], int] | None = None
     check: Callable[..., None] | None = None
+    option_values: Callable[[dict[str, Any]], None] | None = None
     claims: Callable[[nn.Module], bool] | None = None
     claims_auto_of: str | None = None
     preset_map: dict[str, Preset] = field(init=False, repr=False, compare=False)

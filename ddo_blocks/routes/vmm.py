@@ -66,17 +66,23 @@ LOSSLESS_REFUSED = ("codec='lossless' (the planner chooses the codec) is the lin
                     "codec='fixed', 'tiered' or 'huffman'")
 
 
+def option_values(options: dict[str, Any]) -> None:
+    """The options' values, before anything moves (``routes/values.py``)."""
+    from ..streaming.coded import CODES
+
+    if options.get("codec") == "lossless":
+        raise ConfigError(LOSSLESS_REFUSED)
+    check_values("vmm", options, codecs=("off", *CODES))
+
+
 def check(module: Any = None, budget: Any = None, device: Any = None, *, options: dict[str, Any] | None = None,
           name: str | None = None, **_: Any) -> None:
     """Refuses the CPU (without a test arena) before anything moves; tells the arena a component that
     will join it, so that members planning before it leave its fixed bytes free."""
     from ..streaming.arena import Arena
-    from ..streaming.coded import CODES
 
     arena = (options or {}).get("arena")
-    if (options or {}).get("codec") == "lossless":
-        raise ConfigError(LOSSLESS_REFUSED)
-    check_values("vmm", options or {}, codecs=("off", *CODES))
+    option_values(options or {})
     if isinstance(arena, Arena) and module is not None and name:
         opts = options or {}
         arena.expect(name, _fixed_bytes(module, opts.get("units", "auto"), opts.get("codec", "off"),
@@ -156,5 +162,6 @@ SPEC = RouteSpec(
     needs_cuda=True,
     min_extra=min_extra,
     check=check,
+    option_values=option_values,
 )
 SPECS = (SPEC,)
