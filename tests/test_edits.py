@@ -96,12 +96,12 @@ def _lora(name: str = "a", dora: bool = False, rank: int = 4):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_the_lora_lifecycle_after_offload_is_exact(route, checkpoint):
+def test_the_lora_lifecycle_after_offload_is_exact(route, checkpoint, mirrored):
     pair = Pair(route, checkpoint)
     pair.both("LoRA 'a' added after the offload", _lora("a"))
     pair.both("LoRA 'b' added", _lora("b"))
     edits = pair.handle.report()["edits"]
-    assert edits["adapters"] > 0 and edits["adapter_device_copies"] == 0  # the CPU engine computes on the host
+    assert edits["adapters"] > 0 and (edits["adapter_device_copies"] == edits["adapters"]) == mirrored
     pair.both("both, with strengths", lambda m: m.set_adapters(["a", "b"], weights=[1.0, 0.4]))
     pair.both("'b' alone", lambda m: m.set_adapters("b"))
     pair.both("adapters disabled", lambda m: m.disable_adapters())
@@ -221,6 +221,10 @@ def test_a_placeholder_never_reaches_user_code(checkpoint):
         with pytest.raises(OffloadStateError, match="to_q.weight"):
             read()
     pair.check("after the refused reads")
+    detached = pair.off.state_dict()["transformer_blocks.0.attn.to_q.weight"]  # keys and shapes answer
+    assert detached.shape == (32, 32)
+    with pytest.raises(OffloadStateError, match="to_q.weight"):
+        detached.sum()
     pair.handle.remove()
     assert type(p) is nn.Parameter and torch.isfinite(p).all()
 
@@ -246,3 +250,50 @@ def test_calls_without_edits_fetch_nothing_again(checkpoint):
     section = pair.handle.report()["edits"]
     assert section == {"settled": 0, "adapters": 0, "adapter_bytes": 0, "adapter_device_copies": 0}
     pair.handle.remove()
+
+
+@pytest.fixture(params=[False, True], ids=["host-adapters", "device-copies"])
+def mirrored(request, monkeypatch):
+    """``device-copies``: adapters get a device copy their unit points them at while it runs, as on a
+    GPU (here a second host copy), so the GPU's adapter path runs on the CPU engine."""
+    from ddo_blocks.streaming import engine
+
+    monkeypatch.setattr(engine, "MIRROR_ON_CPU", request.param)
+    return request.param
+
+
+def _lora_state(rank: int, seed: int) -> dict[str, torch.Tensor]:
+    from peft.utils import get_peft_model_state_dict
+
+    m = tiny_flux_transformer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        m.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False),
+                      adapter_name="x")
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(m, adapter_name="x").items()}
+
+
+@pytest.mark.parametrize("route", ["linear", "linear-half", "vmm", "codec"])
+def test_adapters_loaded_and_hot_swapped_after_the_offload_are_exact(route, checkpoint, mirrored):
+    """diffusers' ``load_lora_adapter`` after the offload, then hot-swapped in place by one of the same
+    rank (values copied into the adapter's tensors) and by one of a larger rank (peft swaps the tensors
+    themselves, ``torch.utils.swap_tensors``): each call computes with the adapter loaded last."""
+    states = {"first": _lora_state(4, 1), "same": _lora_state(4, 2), "larger": _lora_state(8, 3)}
+
+    def load(which: str, name: str = "a", hotswap: bool = False):
+        # each model gets its own copy: peft's hot-swap to a larger rank swaps the state dict's tensors
+        # into the model (the dict then holds the old ones)
+        return lambda m: m.load_lora_adapter({k: v.clone() for k, v in states[which].items()}, adapter_name=name,
+                                             prefix=None, hotswap=hotswap)
+
+    pair = Pair(route, checkpoint)
+    pair.both("adapter loaded", load("first"))
+    copies = pair.handle.report()["edits"]["adapter_device_copies"]
+    assert (copies > 0) == mirrored
+    pair.both("hot-swapped, same rank", load("same", hotswap=True))
+    pair.both("hot-swapped, larger rank", load("larger", hotswap=True))
+    pair.both("a second adapter", load("first", name="b"))
+    pair.both("both at strengths", lambda m: m.set_adapters(["a", "b"], weights=[0.5, 1.0]))
+    pair.both("unloaded", lambda m: m.unload_lora())
+    pair.handle.remove()
+    pair.check("after remove()")

@@ -110,10 +110,23 @@ def _parked_torch_function(cls: type, func: Any, types: Any, args: tuple = (), k
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
     watch, _, pname, _ = parked.__dict__[_ATTR]
+    if name == "detach":  # state_dict(): a detached placeholder refuses reads as the parameter does
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        view = torch.Tensor._make_subclass(ParkedTensor, out)
+        view.__dict__[_ATTR] = parked.__dict__[_ATTR]
+        return view
     if name == "__repr__":
         return (f"Parameter({pname}: {tuple(parked.shape)} {parked.dtype}, offloaded by ddo_blocks; "
                 f"{watch.where()} between calls)")
     raise watch.refusal(pname, f"{name or func} was called on it")
+
+
+class ParkedTensor(torch.Tensor):
+    """A detached placeholder (``module.state_dict()`` of a parked parameter): its shape, dtype and
+    device answer, any read of its values is refused like the parameter's."""
+
+    __torch_function__ = classmethod(_parked_torch_function)
 
 
 _CLASSES: dict[tuple[type, bool], type] = {}
@@ -230,12 +243,19 @@ class EditWatch:
         p.__dict__[_ATTR] = (self, key, name, 0)
         p.__class__ = _class_for(base, False)
 
+    def watches(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` still carries this watch (``torch.utils.swap_tensors`` moves a tensor's class
+        and ``__dict__`` to the other tensor)."""
+        info = p.__dict__.get(_ATTR)
+        return info is not None and info[0] is self
+
     def forget(self, p: nn.Parameter) -> None:
-        """Stops watching ``p`` (it left the module): its own class back."""
+        """Stops watching ``p`` (it left the module, or a swap took the watch away)."""
         for i, q in enumerate(self.params):
             if q is p:
-                p.__dict__.pop(_ATTR, None)
-                p.__class__ = self._orig[i]
+                if self.watches(p):
+                    p.__dict__.pop(_ATTR, None)
+                    p.__class__ = self._orig[i]
                 for seq in (self.params, self._orig, self.keys, self.versions):
                     del seq[i]
                 return

@@ -32,6 +32,9 @@ from ..units import find_unit_modules, geometry, span_nbytes
 from . import bandwidth, coded, plan, slabs
 from .edits import EditWatch, Key, get_data, set_data
 from .scheduler import CallRecord, Scheduler, compute_stream
+
+MIRROR_ON_CPU = False
+"""Give adapters a device copy on the CPU engine too (tests of the GPU's adapter path)."""
 from .slots import TorchSlots
 from .upload import STAGING_BYTES, copy_from_host, staged_upload
 
@@ -495,6 +498,12 @@ class StreamingEngine:
                         for _, host, mirror in self._extras.get(i, ()):
                             mirror.copy_(host)
         tree = self.scheduler.hook_scan.scan()[0][2]
+        swapped = [pid for pid, p in self.adapters.items() if not self.edits.watches(p)]
+        if swapped:  # torch.utils.swap_tensors (peft's hot-swap to a larger rank) took its watch away
+            for pid in swapped:
+                self.edits.forget(self.adapters.pop(pid))
+                self._mirrors.pop(pid, None)
+            self._tree = None
         if tree != self._tree:
             self.scheduler.refresh_modules()
             self._follow_structure()
@@ -574,8 +583,8 @@ class StreamingEngine:
             if pid not in self.adapters:
                 self.adapters[pid] = p
                 host = get_data(p)
-                if host.device != self.device:
-                    self._mirrors[pid] = (host, host.to(self.device))
+                if host.device != self.device or MIRROR_ON_CPU:
+                    self._mirrors[pid] = (host, host.to(self.device, copy=True))
                 self.edits.add(("adapter", u), name, p)
             if pid in self._mirrors:
                 extras.setdefault(u, []).append((p, *self._mirrors[pid]))
