@@ -33,10 +33,11 @@ from . import bandwidth, coded, plan, slabs
 from .edits import EditWatch, Key, get_data, set_data
 from .scheduler import CallRecord, Scheduler, compute_stream
 
-MIRROR_ON_CPU = False
-"""Give adapters a device copy on the CPU engine too (tests of the GPU's adapter path)."""
 from .slots import TorchSlots
 from .upload import STAGING_BYTES, copy_from_host, staged_upload
+
+MIRROR_ON_CPU = False
+"""Give adapters a device copy on the CPU engine too (tests of the GPU's adapter path)."""
 
 
 class StreamingEngine:
