@@ -32,7 +32,6 @@ from ..units import find_unit_modules, geometry, span_nbytes
 from . import bandwidth, coded, plan, slabs
 from .edits import EditWatch, Key, get_data, set_data
 from .scheduler import CallRecord, Scheduler, compute_stream
-
 from .slots import TorchSlots
 from .upload import STAGING_BYTES, copy_from_host, staged_upload
 
