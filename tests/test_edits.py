@@ -8,6 +8,9 @@ exact afterwards. ``ddo_blocks.streaming.edits`` says what the contract is."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
@@ -216,8 +219,10 @@ def test_a_placeholder_never_reaches_user_code(checkpoint):
     p = pair.off.transformer_blocks[0].attn.to_q.weight
     assert p.shape == (32, 32) and p.dtype == torch.float32 and p.device.type == "cpu"
     assert "offloaded by ddo_blocks" in repr(p)
-    for read in (lambda: p.data, lambda: p + 1, lambda: p.sum(), lambda: p.to("cpu"), lambda: p.clone(),
-                 lambda: torch.nn.functional.linear(torch.zeros(1, 32), p)):
+    assert p.data.shape == (32, 32) and p.data.dtype == torch.float32  # diffusers reads these through .data
+    for read in (lambda: p.data.sum(), lambda: p + 1, lambda: p.sum(), lambda: p.to("cpu"), lambda: p.clone(),
+                 lambda: torch.nn.functional.linear(torch.zeros(1, 32), p), lambda: p.T, lambda: p.mT.T,
+                 lambda: p.untyped_storage(), lambda: copy.deepcopy(p), lambda: pickle.dumps(p)):
         with pytest.raises(OffloadStateError, match="to_q.weight"):
             read()
     pair.check("after the refused reads")
@@ -297,3 +302,83 @@ def test_adapters_loaded_and_hot_swapped_after_the_offload_are_exact(route, chec
     pair.both("unloaded", lambda m: m.unload_lora())
     pair.handle.remove()
     pair.check("after remove()")
+
+
+def test_arena_resident_edits_survive_an_eviction_and_remove():
+    """vmm: a unit the arena keeps resident is edited on the device; another member's call evicts it
+    (it points at its host copy), and remove() without a call in between: the edit is kept both ways."""
+    from ddo_blocks.tiny import tiny_autoencoder_kl
+
+    from .helpers import budgets
+    from .test_vmm import slack
+
+    ref, flux, vae = tiny_flux_transformer(), tiny_flux_transformer(), tiny_autoencoder_kl()
+    x = flux_inputs(ref)
+    budget = max(slack(budgets(flux)["all_resident"], flux), slack(budgets(vae, "block")["all_resident"], vae)) + (4 << 12)
+    arena = Arena(budget, _backend=HostChunks(4096, budget))
+    hf = ddo_blocks.offload(flux, route="vmm", arena=arena, device="cpu", component="transformer")
+    hv = ddo_blocks.offload(vae, route="vmm", arena=arena, device="cpu", component="vae")
+    _run(flux, x)
+    for m in (ref, flux):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.5)
+    with torch.no_grad():
+        vae.decode(torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0)))
+    assert arena.report()["evictions"] > 0
+    assert torch.equal(_run(flux, x), _run(ref, x))
+    for m in (ref, flux):
+        m.load_state_dict(tiny_flux_transformer(seed=9).state_dict())
+    hv.remove()
+    hf.remove()  # no call since the edit
+    arena.close()
+    assert torch.equal(_run(flux, x), _run(ref, x))
+
+
+@pytest.mark.parametrize("route", ["linear", "linear-half", "vmm"])
+def test_re_pointing_and_aliases_are_seen(route, checkpoint):
+    """``p.set_(t)``, an assignment of the same memory seen another way (``w.data = w.data.t()``), and a
+    ``.data`` alias taken before a call and edited after it (it shares the parameter's version counter)."""
+    pair = Pair(route, checkpoint)
+
+    def set_(m: nn.Module) -> None:
+        with torch.no_grad():
+            for p in m.transformer_blocks[0].parameters():
+                p.set_(p.detach().clone() * 2)
+
+    def transpose(m: nn.Module) -> None:
+        for blk in (m.transformer_blocks[1], m.single_transformer_blocks[0]):
+            for p in blk.parameters():
+                if p.dim() == 2 and p.shape[0] == p.shape[1]:
+                    p.data = p.data.t()
+
+    pair.both("set_", set_)
+    pair.both("w.data = w.data.t()", transpose)
+    aliases = {id(m): [p.data for p in m.parameters()] for m in (pair.ref, pair.off)}
+    _run(pair.off, pair.x)  # the next call's first units are fetched again after this one
+
+    def through_alias(m: nn.Module) -> None:
+        with torch.no_grad():
+            for t in aliases[id(m)]:
+                t.add_(0.125)
+
+    pair.both("edited through aliases kept across a call", through_alias)
+    pair.handle.remove()
+    pair.check("after remove()")
+
+
+def test_watched_parameters_copy_and_pickle_as_their_own_class(checkpoint):
+    import io
+
+    pair = Pair("linear", checkpoint)
+    p = pair.off.transformer_blocks[0].attn.to_q.weight
+    twin = copy.deepcopy(p)
+    assert type(twin) is nn.Parameter and torch.equal(twin, pair.ref.transformer_blocks[0].attn.to_q.weight)
+    buf = io.BytesIO()
+    torch.save(dict(pair.off.named_parameters()), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert all(type(t) is nn.Parameter for t in loaded.values())
+    assert all(torch.equal(loaded[n], r) for n, r in pair.ref.named_parameters())
+    pair.check("after the copies")
+    pair.handle.remove()

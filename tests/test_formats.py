@@ -118,3 +118,12 @@ def test_tensor_subclass_weights_are_refused_before_anything_moves(quantize, fam
     with torch.no_grad():
         assert torch.equal(model(**x)[0], ref)
     handle.remove()
+
+
+def test_a_module_built_under_inference_mode_is_refused_before_anything_moves():
+    with torch.inference_mode():
+        model = tiny_flux_transformer()
+    with pytest.raises(ConfigError, match="inference tensor .* outside torch.inference_mode"):
+        ddo_blocks.offload(model, device="cpu", vram_budget="min")
+    assert ddo_blocks.get_handle(model) is None
+    assert all(type(p) is nn.Parameter for p in model.parameters())

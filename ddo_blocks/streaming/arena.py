@@ -732,6 +732,7 @@ class Member:
             cut = keep * self.chunk
             for i, off in enumerate(self.home_offsets):
                 if self.loaded[i] and off + self.host.unit_nbytes[i] > cut:
+                    self.engine.before_evict(i)
                     for (_, p), v in zip(self.units[i].params, self.host.host_views[i]):
                         set_data(p, v)
                     self.loaded[i] = False

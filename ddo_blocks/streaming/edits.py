@@ -33,6 +33,7 @@ Everything is undone by ``remove()``: the parameters get their own class back.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +46,9 @@ _DATA = torch._C.TensorBase.data
 """The ``data`` descriptor of every tensor: what the engine uses to point a parameter somewhere."""
 
 _ATTR = "_ddo_edit"
-"""On a watched parameter: ``(watch, key, name, its position in the group)``."""
+"""On a watched parameter: ``(watch, key, name, its position in the group, has a version counter)``."""
+
+_VERSION = operator.attrgetter("_version")
 
 
 def get_data(p: torch.Tensor) -> torch.Tensor:
@@ -63,9 +66,15 @@ def set_data(p: torch.Tensor, value: torch.Tensor) -> None:
 # -------------------------------------------------------------------------------------------------
 def _watched_get(self: torch.Tensor) -> torch.Tensor:
     info = self.__dict__.get(_ATTR)
-    if info is not None:
+    if info is None:
+        return _DATA.__get__(self)
+    if not info[4]:  # an inference tensor has no version counter: any access may be an edit
         info[0].touched.add(info[1])
-    return _DATA.__get__(self)
+        return _DATA.__get__(self)
+    # a view that shares the parameter's version counter (``.data`` would get one of its own): an edit
+    # through it, now or later through a kept reference, moves the counter the next call compares
+    with torch._C.DisableTorchFunctionSubclass():
+        return self.detach()
 
 
 def _watched_set(self: torch.Tensor, value: torch.Tensor) -> None:
@@ -76,11 +85,39 @@ def _watched_set(self: torch.Tensor, value: torch.Tensor) -> None:
         info[0].write(self, info, value)
 
 
+def _watched_reduce_ex(self: torch.Tensor, protocol: int) -> Any:
+    """Pickled as its own class (``torch.save``), without the watch."""
+    info = self.__dict__.pop(_ATTR, None)
+    cls = type(self)
+    self.__class__ = cls._ddo_base
+    try:
+        return self.__reduce_ex__(protocol)
+    finally:
+        self.__class__ = cls
+        if info is not None:
+            self.__dict__[_ATTR] = info
+
+
+def _watched_deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
+    """A copy of its own class with the values it has now (``copy.deepcopy``), without the watch."""
+    info = self.__dict__.pop(_ATTR, None)
+    cls = type(self)
+    self.__class__ = cls._ddo_base
+    try:
+        return self.__deepcopy__(memo)
+    finally:
+        self.__class__ = cls
+        if info is not None:
+            self.__dict__[_ATTR] = info
+
+
 def _parked_get(self: torch.Tensor) -> torch.Tensor:
     info = self.__dict__.get(_ATTR)
+    with torch._C.DisableTorchFunctionSubclass():
+        data = _DATA.__get__(self)
     if info is None:
-        return _DATA.__get__(self)
-    raise info[0].refusal(info[2], "its .data was read")
+        return data
+    return _parked_view(data, info)  # shape and dtype answer (diffusers reads them); values refuse
 
 
 def _parked_set(self: torch.Tensor, value: torch.Tensor) -> None:
@@ -91,17 +128,41 @@ def _parked_set(self: torch.Tensor, value: torch.Tensor) -> None:
         raise info[0].refusal(info[2], "its .data was assigned")
 
 
+def _parked_refuse(self: torch.Tensor, *args: Any) -> Any:
+    info = self.__dict__.get(_ATTR)
+    raise info[0].refusal(info[2], "it was copied or pickled")
+
+
 _METADATA = frozenset({
-    "__get__", "__set__", "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point",
-    "is_complex", "stride", "data_ptr", "is_contiguous", "storage_offset", "__hash__", "requires_grad_",
-    "get_device", "__len__", "untyped_storage",
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "stride",
+    "data_ptr", "is_contiguous", "storage_offset", "__hash__", "requires_grad_", "get_device", "__len__",
+    "is_inference",
 })
 """What a parked placeholder answers: its shape, dtype, device and flags, never its values."""
+
+_PROPERTIES = frozenset({
+    "shape", "dtype", "device", "requires_grad", "is_cuda", "is_cpu", "is_meta", "ndim", "grad", "grad_fn",
+    "_version", "layout", "is_leaf", "names", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes",
+    "output_nr", "_base", "_cdata", "is_mps", "is_xpu", "_backward_hooks", "_post_accumulate_grad_hooks",
+    "data",  # the raw descriptor only (the engine's get_data): the class's own data property wraps the values
+})
+"""The properties a parked placeholder answers (``.T``, ``.mT``, ``.real`` and the like would be values)."""
+
+
+def _parked_view(data: torch.Tensor, info: tuple) -> torch.Tensor:
+    view = torch.Tensor._make_subclass(ParkedTensor, data)
+    view.__dict__[_ATTR] = info
+    return view
 
 
 def _parked_torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
     name = getattr(func, "__name__", "")
-    if name in _METADATA:
+    if name in ("__get__", "__set__"):
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")
+        allowed = name == "__set__" or prop in _PROPERTIES
+    else:
+        allowed = name in _METADATA
+    if allowed:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
     parked = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)
@@ -109,13 +170,11 @@ def _parked_torch_function(cls: type, func: Any, types: Any, args: tuple = (), k
     if parked is None:  # a parameter whose offload was removed while it stayed parked: no watch to ask
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
-    watch, _, pname, _ = parked.__dict__[_ATTR]
+    info = parked.__dict__[_ATTR]
+    watch, pname = info[0], info[2]
     if name == "detach":  # state_dict(): a detached placeholder refuses reads as the parameter does
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        view = torch.Tensor._make_subclass(ParkedTensor, out)
-        view.__dict__[_ATTR] = parked.__dict__[_ATTR]
-        return view
+            return _parked_view(func(*args, **(kwargs or {})), info)
     if name == "__repr__":
         return (f"Parameter({pname}: {tuple(parked.shape)} {parked.dtype}, offloaded by ddo_blocks; "
                 f"{watch.where()} between calls)")
@@ -123,8 +182,8 @@ def _parked_torch_function(cls: type, func: Any, types: Any, args: tuple = (), k
 
 
 class ParkedTensor(torch.Tensor):
-    """A detached placeholder (``module.state_dict()`` of a parked parameter): its shape, dtype and
-    device answer, any read of its values is refused like the parameter's."""
+    """A placeholder seen from outside (``p.data``, ``module.state_dict()`` of a parked parameter): its
+    shape, dtype and device answer, any read of its values is refused like the parameter's."""
 
     __torch_function__ = classmethod(_parked_torch_function)
 
@@ -138,11 +197,13 @@ def _class_for(base: type, parked: bool) -> type:
     cls = _CLASSES.get(key)
     if cls is None:
         if parked:
-            ns = {"data": property(_parked_get, _parked_set),
-                  "__torch_function__": classmethod(_parked_torch_function)}
+            ns = {"data": property(_parked_get, _parked_set), "__torch_function__": classmethod(_parked_torch_function),
+                  "__reduce_ex__": _parked_refuse, "__deepcopy__": _parked_refuse}
             cls = type(base)(f"Parked{base.__name__}", (_class_for(base, False),), ns)
         else:
-            cls = type(base)(f"Watched{base.__name__}", (base,), {"data": property(_watched_get, _watched_set)})
+            ns = {"data": property(_watched_get, _watched_set), "__reduce_ex__": _watched_reduce_ex,
+                  "__deepcopy__": _watched_deepcopy}
+            cls = type(base)(f"Watched{base.__name__}", (base,), ns)
         # findable by its module and name (torch.compile looks a parameter's class up that way)
         name = cls.__name__ if cls.__name__ not in globals() else f"{cls.__name__}_{len(_CLASSES)}"
         cls.__name__ = cls.__qualname__ = name
@@ -179,30 +240,47 @@ class EditWatch:
         self._where = where
         self.touched: set[Key] = set()
         self.params: list[nn.Parameter] = []
+        """Watched parameters with a version counter (compared at each call's start)."""
         self.keys: list[Key] = []
         self.versions: list[int] = []
+        self.untracked: list[nn.Parameter] = []
+        """Watched inference tensors (made under ``torch.inference_mode()``: no version counter)."""
         self.placeholder: set[Key] = {key for key, _, ph in groups if ph}
         self._classes: dict[Key, tuple[list[nn.Parameter], list[type], list[type]]] = {}
-        self._orig: list[type] = []
+        self._orig: dict[int, type] = {}
         self.settled = 0
         """Groups settled since attach (edits seen)."""
-        for key, params, placeholder in groups:
-            plist, watched, parked = [], [], []
-            for i, (name, p) in enumerate(params):
-                if _ATTR in p.__dict__:
-                    continue  # a parameter shared by two units: watched once
-                base = type(p)
-                self._orig.append(base)
-                self.params.append(p)
-                self.keys.append(key)
-                p.__dict__[_ATTR] = (self, key, name, i)
-                p.__class__ = _class_for(base, placeholder)
-                plist.append(p)
-                watched.append(_class_for(base, False))
-                parked.append(_class_for(base, True))
-            if placeholder:
-                self._classes[key] = (plist, watched, parked)
-        self.versions = [p._version for p in self.params]
+        try:
+            for key, params, placeholder in groups:
+                plist, watched, parked = [], [], []
+                for i, (name, p) in enumerate(params):
+                    if _ATTR in p.__dict__:
+                        continue  # a parameter shared by two units: watched once
+                    self._watch(key, name, i, p, placeholder)
+                    plist.append(p)
+                    watched.append(_class_for(self._orig[id(p)], False))
+                    parked.append(_class_for(self._orig[id(p)], True))
+                if placeholder:
+                    self._classes[key] = (plist, watched, parked)
+        except BaseException:
+            self.remove()
+            raise
+
+    def _watch(self, key: Key, name: str, i: int, p: nn.Parameter, placeholder: bool) -> None:
+        try:
+            version = p._version
+            tracked = True
+        except RuntimeError:  # made under torch.inference_mode(): no version counter, even pointed elsewhere
+            tracked = False
+        self._orig[id(p)] = type(p)
+        if tracked:
+            self.params.append(p)
+            self.keys.append(key)
+            self.versions.append(version)
+        else:
+            self.untracked.append(p)
+        p.__dict__[_ATTR] = (self, key, name, i, tracked)
+        p.__class__ = _class_for(self._orig[id(p)], placeholder)
 
     # -- the engine's side -------------------------------------------------------------------------
     def bound(self, key: Key) -> None:
@@ -220,8 +298,9 @@ class EditWatch:
                 p.__class__ = cls
 
     def changed(self) -> set[Key]:
-        """The groups edited since the last call (``.data`` read or assigned, version moved); forgets them."""
-        now = [p._version for p in self.params]
+        """The groups edited since the last call (a version moved, ``.data`` assigned, or an inference
+        tensor's ``.data`` read); forgets them."""
+        now = list(map(_VERSION, self.params))
         dirty = self.touched
         if now != self.versions:
             dirty = dirty | {k for k, a, b in zip(self.keys, now, self.versions) if a != b}
@@ -233,15 +312,8 @@ class EditWatch:
 
     def add(self, key: Key, name: str, p: nn.Parameter) -> None:
         """Watches one more parameter (an adapter added inside a unit after the attach)."""
-        if _ATTR in p.__dict__:
-            return
-        base = type(p)
-        self._orig.append(base)
-        self.params.append(p)
-        self.keys.append(key)
-        self.versions.append(p._version)
-        p.__dict__[_ATTR] = (self, key, name, 0)
-        p.__class__ = _class_for(base, False)
+        if _ATTR not in p.__dict__:
+            self._watch(key, name, 0, p, False)
 
     def watches(self, p: torch.Tensor) -> bool:
         """Whether ``p`` still carries this watch (``torch.utils.swap_tensors`` moves a tensor's class
@@ -251,30 +323,37 @@ class EditWatch:
 
     def forget(self, p: nn.Parameter) -> None:
         """Stops watching ``p`` (it left the module, or a swap took the watch away)."""
+        if self.watches(p):
+            p.__dict__.pop(_ATTR, None)
+            p.__class__ = self._orig[id(p)]
+        self._orig.pop(id(p), None)
         for i, q in enumerate(self.params):
             if q is p:
-                if self.watches(p):
-                    p.__dict__.pop(_ATTR, None)
-                    p.__class__ = self._orig[i]
-                for seq in (self.params, self._orig, self.keys, self.versions):
+                for seq in (self.params, self.keys, self.versions):
                     del seq[i]
                 return
+        self.untracked = [q for q in self.untracked if q is not p]
 
-    def pending(self) -> bool:
-        """Whether :meth:`changed` would find edits (it is not called: they stay to be settled)."""
-        return bool(self.touched) or [p._version for p in self.params] != self.versions
+    def pending(self, kind: str | None = None) -> bool:
+        """Whether :meth:`changed` would find edits (of groups of ``kind``, or any); nothing is forgotten."""
+        if any(kind is None or k[0] == kind for k in self.touched):
+            return True
+        now = list(map(_VERSION, self.params))
+        return any(a != b and (kind is None or k[0] == kind) for k, a, b in zip(self.keys, now, self.versions))
 
     def remove(self) -> None:
         """Every parameter gets its own class back."""
-        for p, base in zip(self.params, self._orig):
-            p.__dict__.pop(_ATTR, None)
-            p.__class__ = base
-        self.params, self._orig, self._classes = [], [], {}
+        for p in (*self.params, *self.untracked):
+            if self.watches(p):
+                p.__dict__.pop(_ATTR, None)
+                p.__class__ = self._orig[id(p)]
+        self.params, self.untracked, self.keys, self.versions = [], [], [], []
+        self._orig, self._classes = {}, {}
 
     # -- the parameters' side ----------------------------------------------------------------------
     def write(self, p: nn.Parameter, info: tuple, value: Any) -> None:
         """``p.data = value``: the values go into the memory ``p`` points at (and its host copy)."""
-        _, key, name, i = info
+        _, key, name, i, _ = info
         now = _DATA.__get__(p)
         if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
             raise OffloadStateError(
@@ -290,7 +369,10 @@ class EditWatch:
                 "layout only. Call remove() on the handle, change the module, and offload it again"
             )
         with torch.no_grad():
-            if value.data_ptr() != now.data_ptr():
+            same = (value.data_ptr() == now.data_ptr() and value.stride() == now.stride())
+            if not same:  # another tensor, or the same memory seen another way (w.data = w.data.t())
+                if value.untyped_storage().data_ptr() == now.untyped_storage().data_ptr():
+                    value = value.clone()
                 now.copy_(value)
             host = self.host_of(key, i)
             if host is not None and getattr(host, "_ddo_placeholder", False):

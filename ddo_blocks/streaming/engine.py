@@ -263,6 +263,10 @@ class StreamingEngine:
         brought back what only it holds, the offload is gone (``attached`` is False), even if a
         later step raises."""
         watched = self.edits is not None
+        if watched and self._attached:  # edits of arena-resident units since the last call: to their host copy
+            for kind, i in self.edits.changed():
+                if kind == "resident":
+                    self.slots.write_back(i)
         self._unwatch()  # the parts below point parameters at their own memory again
         try:
             deferred = self.store.before_release()  # raises to keep the offload in place
@@ -433,7 +437,8 @@ class StreamingEngine:
         streamed = {id(p) for unit in self.streamed for _, p in unit.params}
         self._home = {(id(m), n): p for unit in self.streamed for m in unit.module.modules()
                       for n, p in m._parameters.items() if p is not None and id(p) in streamed}
-        self._tree = self.scheduler.hook_scan.scan()[0][2]
+        self._tree = self.scheduler.check_tree()
+        self._modules_at_attach = {id(m) for m in self.module.modules()}
         self.edits = EditWatch(type(self.module).__name__, groups, self._host_copy,
                                lambda: getattr(self.store, "parked_where", "elsewhere"))
         for slab in self._slabs():
@@ -451,7 +456,7 @@ class StreamingEngine:
         if not shared:
             return
         engines = {id(e): e for slab in shared for e in list(slab.engines)}
-        edited = [e for e in engines.values() if e.edits is not None and e.edits.pending()]
+        edited = [e for e in engines.values() if e.edits is not None and e.edits.pending("streamed")]
         if edited:
             names = " and ".join(sorted({type(e.module).__name__ for e in edited}))
             raise OffloadStateError(
@@ -469,6 +474,12 @@ class StreamingEngine:
             set_data(p, host)  # the adapter keeps its host values after the removal, as peft put it
         self._mirrors, self._extras, self.adapters = {}, {}, {}
 
+    def before_evict(self, i: int) -> None:
+        """Arena-resident unit ``i`` is about to be pointed at its host copy (evicted): edits made on the
+        device since the last call go there first."""
+        if self.edits is not None and self.edits.pending("resident"):
+            self.slots.write_back(i)
+
     def _host_copy(self, key: Key, j: int) -> torch.Tensor | None:
         """Where an assignment to a watched parameter must also go: its host copy, when the parameter
         points elsewhere now (a streamed unit in its slot, a resident unit in the arena)."""
@@ -481,13 +492,16 @@ class StreamingEngine:
 
     def _settle_edits(self) -> None:
         """At a call's start: prefetched copies of edited streamed units are fetched again (their host
-        copy has the edit), arena-resident units edited on the device are copied back to their host
-        copy; a change of the module tree is looked at (``_follow_structure``)."""
+        copy has the edit; a parameter pointed at other memory, ``set_``, gives its values to it), arena
+        units edited on the device are copied back to their host copy, adapters' device copies are
+        refreshed; a change of the module tree is looked at (``_follow_structure``)."""
         assert self.edits is not None
         self._refuse_shared_edits()
         dirty = self.edits.changed()
         if dirty:
             streamed = {i for kind, i in dirty if kind == "streamed"}
+            for u in streamed:
+                self._repark(u)
             if streamed:
                 self.scheduler.refetch(streamed)
             for kind, i in dirty:
@@ -497,8 +511,8 @@ class StreamingEngine:
                     with torch.no_grad():
                         for _, host, mirror in self._extras.get(i, ()):
                             mirror.copy_(host)
-        tree = self.scheduler.hook_scan.scan()[0][2]
-        swapped = [pid for pid, p in self.adapters.items() if not self.edits.watches(p)]
+        tree = self.scheduler.tree
+        swapped = [pid for pid in self._mirrors if not self.edits.watches(self.adapters[pid])]
         if swapped:  # torch.utils.swap_tensors (peft's hot-swap to a larger rank) took its watch away
             for pid in swapped:
                 self.edits.forget(self.adapters.pop(pid))
@@ -507,7 +521,26 @@ class StreamingEngine:
         if tree != self._tree:
             self.scheduler.refresh_modules()
             self._follow_structure()
-            self._tree = self.scheduler.hook_scan.scan()[0][2]
+            self._tree = self.scheduler.check_tree()
+
+    def _repark(self, u: int) -> None:
+        """An edited streamed unit's parameters all point at their host copy again: one pointed at other
+        memory (``p.set_(t)``, ``torch.utils.swap_tensors``) gives its values to the host copy first."""
+        if u in self.edits.placeholder:
+            return  # its parameters refuse every change between calls
+        with torch.no_grad():
+            for (name, p), host in zip(self.streamed[u].params, self.store.host_views(u)):
+                now = get_data(p)
+                if now.data_ptr() == host.data_ptr() and now.stride() == host.stride():
+                    continue
+                if now.shape != host.shape or now.dtype != host.dtype or type(now) is not torch.Tensor:
+                    raise OffloadStateError(
+                        f"{name} of {type(self.module).__name__} was pointed at a {tuple(now.shape)} {now.dtype} "
+                        f"tensor while offloaded as {tuple(host.shape)} {host.dtype}: its slot and host copy hold "
+                        "that layout only. Call remove() on the handle, change the module, and offload it again"
+                    )
+                host.copy_(now)
+                set_data(p, host)
 
     def _follow_structure(self) -> None:
         """The module tree changed since the last call: tensors added inside streamed units (a LoRA's
@@ -521,6 +554,18 @@ class StreamingEngine:
         seen: set[int] = set()
         strays: dict[int, list[tuple[str, nn.Module, str | None]]] = {}
         found: dict[int, tuple[int, str, nn.Parameter]] = {}
+        for m in self.module.modules():
+            # a new module around a unit's module (peft's LoRA layer around a Linear that is a unit):
+            # the unit runs as the wrapper from now on, its adapters inside it
+            if id(m) in self._modules_at_attach or id(m) in unit_of:
+                continue
+            inner = [unit_of[id(c)] for c in m._modules.values() if c is not None and id(c) in unit_of]
+            if len(inner) == 1:
+                u = inner[0]
+                self.scheduler.rehook(u, m)
+                del unit_of[id(self.streamed[u].module)]
+                self.streamed[u].module = m
+                unit_of[id(m)] = u
 
         def walk(m: nn.Module, name: str, inside: int | None) -> None:
             seen.add(id(m))

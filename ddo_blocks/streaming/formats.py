@@ -26,8 +26,16 @@ def _family(t: object) -> str | None:
 
 
 def check_streamable(module: nn.Module, route: str) -> None:
-    """Raises ``ConfigError`` for the first parameter of ``module`` a streaming route cannot carry."""
+    """Raises ``ConfigError`` for the first parameter of ``module`` a streaming route cannot carry (a
+    format above, or an inference tensor)."""
     for name, p in module.named_parameters():
+        if p.is_inference():
+            raise ConfigError(
+                f"{name} of {type(module).__name__} is an inference tensor (the module was built or loaded under "
+                f"torch.inference_mode()); route={route!r} points parameters at slots and host slabs, which "
+                "inference tensors do not allow. Build or load the module outside torch.inference_mode() (calling "
+                "it under inference_mode is fine), or use route='resident'"
+            )
         family = _family(p)
         if family is None and not is_traceable_wrapper_subclass(p):
             continue

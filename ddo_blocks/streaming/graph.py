@@ -527,7 +527,7 @@ class GraphRunner:
             return self._eager(method, args, kwargs, why)  # its own checks scan the hooks
         torch_hooks, (on_top, stateful) = sched.hook_scan.scan()
         t_hooks = time.perf_counter()
-        tree = torch_hooks[2]
+        tree = sched.tree = torch_hooks[2]
         if tree != self._tree:
             swapped = self._tree_changed(tree)
             if swapped is not None:

@@ -159,6 +159,8 @@ class Scheduler:
         """The component's ``graph.GraphRunner`` (``graph=True``): entry calls go through it."""
         self.modules: list[nn.Module] | None = None
         """The component's modules, listed at install (a list walks ten times faster than the tree)."""
+        self.tree: int | None = None
+        """The module tree's identity hash at the last scan (``check_tree``)."""
         self.hook_scan: guards.HookScan | None = None
         """Every call looks for hooks installed on those modules through it (``guards.HookScan``)."""
 
@@ -427,7 +429,13 @@ class Scheduler:
     def check_call(self) -> None:
         """The checks at the start of every call: inference only, no offloading on top."""
         self.check_grad()
-        self.refuse_on_top(self.hook_scan.hooks_on()[0])
+        self.refuse_on_top(self.check_tree(on_top=True))
+
+    def check_tree(self, on_top: bool = False) -> Any:
+        """Scans the module tree's hooks (``guards.HookScan``), keeping its identity hash in ``tree``;
+        returns that hash, or (``on_top``) the offloading installed on top, if any."""
+        (_, _, self.tree), (found, _) = self.hook_scan.scan()
+        return found if on_top else self.tree
 
     def check_grad(self) -> None:
         if torch.is_grad_enabled() and any(p.requires_grad for u in self.streamed for _, p in u.params):
