@@ -8,6 +8,7 @@ each call. Marked ``gpu``: skipped without CUDA, run by hand on the GPU machine.
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -26,6 +27,16 @@ pytestmark = [pytest.mark.gpu,
 TARGETS = (r".*blocks\.\d+\..*(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out|ff\.net\.0\.proj|"
            r"ff\.net\.2|proj_mlp|proj_out)")
 """Every attention and MLP projection of the blocks (a regex: the top-level ``proj_out`` is left out)."""
+
+@pytest.fixture(autouse=True)
+def _clean():
+    """Every test's device memory back before the next (a later test measures the free memory; peft's
+    layers and the models' copies form reference cycles that only the cycle collector frees)."""
+    yield
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
 
 ROUTES = {
     "linear": {},
