@@ -165,7 +165,9 @@ def test_auto_budget_on_a_card_the_model_does_not_fit(monkeypatch, graph):
     # the default 256 MiB margin dwarfs this 40 MiB model; a first budget of a tenth of the free memory
     # (which counts the 128 MiB kept for the driver) keeps it streaming, so that it is re-planned
     monkeypatch.setattr(autobudget, "MARGIN_BYTES", 64 << 20)
-    monkeypatch.setattr(autobudget, "START_FRACTION", 0.1)
+    # a twentieth: the offload also counts what PyTorch's allocator holds unused (an earlier test's
+    # fragments, e.g. 0.23 GiB after tests/test_gpu_edits.py on an H100), which this blocker cannot take
+    monkeypatch.setattr(autobudget, "START_FRACTION", 0.05)
     model = medium_flux()
     x = flux_inputs(model, height=16, width=16, text_len=32, device="cuda")
     ref, activations = _resident_reference(model, x)
@@ -174,9 +176,7 @@ def test_auto_budget_on_a_card_the_model_does_not_fit(monkeypatch, graph):
 
     bandwidth.link_bytes_per_s(torch.device("cuda", torch.cuda.current_device()))  # its 256 MiB probe, before the card fills
     torch.cuda.empty_cache()
-    # as the offload counts it: the driver's free memory and what PyTorch's allocator holds unused
-    # (blocks an earlier test left that empty_cache() cannot give back yet)
-    free = autobudget.free_bytes(torch.device("cuda", torch.cuda.current_device()))
+    free, _ = torch.cuda.mem_get_info()
     # a card with room for about 60 % of the weights, and 128 MiB the driver needs for streams and events
     keep = int(0.6 * weights) + activations + (128 << 20)
     blocker = torch.empty(free - keep, dtype=torch.uint8, device="cuda")
