@@ -162,7 +162,7 @@ def test_warm_process_reuse_on_cuda():
 def test_auto_budget_on_a_card_the_model_does_not_fit(monkeypatch, graph):
     from ddo_blocks import autobudget
 
-    # the default 256 MiB margin dwarfs this 40 MiB model; a first budget of a tenth of the free memory
+    # the default 256 MiB margin dwarfs this 40 MiB model; a small first budget (below)
     # (which counts the 128 MiB kept for the driver) keeps it streaming, so that it is re-planned
     monkeypatch.setattr(autobudget, "MARGIN_BYTES", 64 << 20)
     # a twentieth: the offload also counts what PyTorch's allocator holds unused (an earlier test's
