@@ -116,6 +116,19 @@ def test_replica_refuses_a_model_that_keeps_tensors_outside_parameters_and_buffe
     handle.remove()
 
 
+def _original_and_replica(first_budget: str):
+    """A tiny Flux offloaded at ``first_budget`` and its replica at the smallest plan: (model, twin, the
+    two handles, inputs, the resident output)."""
+    model = tiny_flux_transformer()
+    x = flux_inputs(model)
+    ref = _run(model, x)
+    b = budgets(model)
+    h0 = ddo_blocks.offload(model, vram_budget=b[first_budget], device="cpu")
+    twin = ddo_blocks.replica(model)
+    h1 = ddo_blocks.offload(twin, vram_budget=b["all_streamed"], device="cpu")
+    return model, twin, h0, h1, x, ref
+
+
 def _storages(model) -> set[int]:
     return {p.untyped_storage().data_ptr() for p in model.parameters()}
 
@@ -125,13 +138,7 @@ def test_a_removed_offload_owns_its_weights(first_removed):
     """On the CPU engine the original's resident weights are in host memory too: the replica gets a copy
     of them, so once either offload is removed, editing its weights leaves the other's outputs alone,
     and no tensor is shared after both are removed."""
-    model = tiny_flux_transformer()
-    x = flux_inputs(model)
-    ref = _run(model, x)
-    b = budgets(model)
-    h0 = ddo_blocks.offload(model, vram_budget=b["half"], device="cpu")
-    twin = ddo_blocks.replica(model)
-    h1 = ddo_blocks.offload(twin, vram_budget=b["all_streamed"], device="cpu")
+    model, twin, h0, h1, x, ref = _original_and_replica("half")
     gone, gone_h, alive = (model, h0, twin) if first_removed == "original" else (twin, h1, model)
     gone_h.remove()
     with torch.no_grad():
@@ -146,13 +153,7 @@ def test_a_removed_offload_owns_its_weights(first_removed):
 def test_an_edit_of_weights_shared_with_a_replica_is_refused_by_both():
     """The replica streams the original's host copies: an edit of one of those through either module
     would change both (and the replica keeps its own copy of the rest), so both refuse their next call."""
-    model = tiny_flux_transformer()
-    x = flux_inputs(model)
-    ref = _run(model, x)
-    b = budgets(model)
-    h0 = ddo_blocks.offload(model, vram_budget=b["all_streamed"], device="cpu")
-    twin = ddo_blocks.replica(model)
-    h1 = ddo_blocks.offload(twin, vram_budget=b["all_streamed"], device="cpu")
+    model, twin, h0, h1, x, ref = _original_and_replica("all_streamed")
     for m in (model, twin):
         assert torch.equal(_run(m, x), ref)
     with torch.no_grad():

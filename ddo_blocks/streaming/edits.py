@@ -33,8 +33,9 @@ Everything is undone by ``remove()``: the parameters get their own class back.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -85,30 +86,30 @@ def _watched_set(self: torch.Tensor, value: torch.Tensor) -> None:
         info[0].write(self, info, value)
 
 
+@contextlib.contextmanager
+def _unwatched(p: torch.Tensor) -> Iterator[None]:
+    """``p`` as its own class without the watch, for the length of the block."""
+    info = p.__dict__.pop(_ATTR, None)
+    cls = type(p)
+    p.__class__ = cls._ddo_base
+    try:
+        yield
+    finally:
+        p.__class__ = cls
+        if info is not None:
+            p.__dict__[_ATTR] = info
+
+
 def _watched_reduce_ex(self: torch.Tensor, protocol: int) -> Any:
     """Pickled as its own class (``torch.save``), without the watch."""
-    info = self.__dict__.pop(_ATTR, None)
-    cls = type(self)
-    self.__class__ = cls._ddo_base
-    try:
+    with _unwatched(self):
         return self.__reduce_ex__(protocol)
-    finally:
-        self.__class__ = cls
-        if info is not None:
-            self.__dict__[_ATTR] = info
 
 
 def _watched_deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
     """A copy of its own class with the values it has now (``copy.deepcopy``), without the watch."""
-    info = self.__dict__.pop(_ATTR, None)
-    cls = type(self)
-    self.__class__ = cls._ddo_base
-    try:
+    with _unwatched(self):
         return self.__deepcopy__(memo)
-    finally:
-        self.__class__ = cls
-        if info is not None:
-            self.__dict__[_ATTR] = info
 
 
 def _parked_get(self: torch.Tensor) -> torch.Tensor:
