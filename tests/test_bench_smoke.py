@@ -370,3 +370,19 @@ def test_lora_benchmark_runs_on_the_tiny_transformer(tmp_path):
     exact = [r["exact"] for r in doc["rows"] if "exact" in r]
     assert rc == 0 and exact == [True, True, True]
     assert doc["edits"]["adapters"] > 0
+
+
+def test_quantized_benchmark_runs_on_the_tiny_transformer(tmp_path):
+    """benchmarks.quantized end to end on the CPU: GGUF Q8_0 streams exactly, torchao's int8 is refused
+    by our rows and runs under diffusers' group offloading."""
+    import json
+
+    from benchmarks import quantized
+
+    rc = quantized.main(["--tiny", "--device", "cpu", "--resolution", "128", "--repeats", "1", "--budgets", "2",
+                         "--out", str(tmp_path)])
+    rows = {(r["format"], r["row"]): r for r in json.loads((tmp_path / "quantized.json").read_text())["rows"]}
+    assert rc == 0
+    assert rows[("gguf-q8_0", "ours 2 GiB")]["exact"] is True
+    assert "torchao" in rows[("torchao-int8", "ours 2 GiB")]["refused"]
+    assert rows[("torchao-int8", "diffusers group offloading (block, streams)")]["exact"] is True
