@@ -52,14 +52,12 @@ _ATTR = "_ddo_edit"
 _VERSION = operator.attrgetter("_version")
 
 
-def get_data(p: torch.Tensor) -> torch.Tensor:
-    """``p.data`` without the watch noting it (the engine's own reads)."""
-    return _DATA.__get__(p)
+get_data: Callable[[torch.Tensor], torch.Tensor] = _DATA.__get__
+"""``p.data`` without the watch (the engine's own reads): the descriptor itself, no Python frame."""
 
-
-def set_data(p: torch.Tensor, value: torch.Tensor) -> None:
-    """``p.data = value`` without the watch writing it through (the engine pointing a parameter)."""
-    _DATA.__set__(p, value)
+set_data: Callable[[torch.Tensor, torch.Tensor], None] = _DATA.__set__
+"""``p.data = value`` without the watch writing it through (the engine pointing a parameter at a slot
+or its host copy, twice per parameter per call): the descriptor itself, no Python frame."""
 
 
 # -------------------------------------------------------------------------------------------------
@@ -204,6 +202,9 @@ def _class_for(base: type, parked: bool) -> type:
         else:
             ns = {"data": property(_watched_get, _watched_set), "__reduce_ex__": _watched_reduce_ex,
                   "__deepcopy__": _watched_deepcopy}
+            if base.__torch_function__ is torch._C._disabled_torch_function_impl:
+                # found on the class itself: torch looks it up for every operation on a subclass
+                ns["__torch_function__"] = torch._C._disabled_torch_function_impl
             cls = type(base)(f"Watched{base.__name__}", (base,), ns)
         # findable by its module and name (torch.compile looks a parameter's class up that way)
         name = cls.__name__ if cls.__name__ not in globals() else f"{cls.__name__}_{len(_CLASSES)}"

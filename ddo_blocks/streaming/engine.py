@@ -139,6 +139,8 @@ class StreamingEngine:
         self._prewaited: set[int] | None = None
         self.edits: EditWatch | None = None
         """The watch over the weights users may edit while attached (``edits.py``)."""
+        self._extras_on = False
+        """Whether binding and parking a unit has more to do than point its parameters (set by the watch)."""
         self._tree: int | None = None
         self._known: set[int] = set()
         self._home: dict[tuple[int, str], nn.Parameter] = {}
@@ -336,18 +338,21 @@ class StreamingEngine:
 
     def bind(self, u: int, slot: int) -> None:
         self.slots.bind(self.streamed[u], u, slot)
-        if self.edits is not None:
-            self.edits.bound(("streamed", u))
+        if self._extras_on:  # placeholders to swap, or adapters' device copies
+            if self.edits.placeholder:
+                self.edits.bound(("streamed", u))
             for p, _, mirror in self._extras.get(u, ()):
                 set_data(p, mirror)
 
     def park(self, u: int) -> None:
         for (_, p), v in zip(self.streamed[u].params, self.store.host_views(u)):
             set_data(p, v)
-        if self.edits is not None:
-            self.edits.parked(("streamed", u))
+        if self._extras_on:
+            if self.edits.placeholder:
+                self.edits.parked(("streamed", u))
             for p, host, _ in self._extras.get(u, ()):
                 set_data(p, host)
+
 
     def bytes_moved(self) -> int:
         return (self.transport.stats()[1] if self.transport is not None else 0) + self.graph_bytes
@@ -441,6 +446,7 @@ class StreamingEngine:
         self._modules_at_attach = {id(m) for m in self.module.modules()}
         self.edits = EditWatch(type(self.module).__name__, groups, self._host_copy,
                                lambda: getattr(self.store, "parked_where", "elsewhere"))
+        self._extras_on = bool(self.edits.placeholder)
         for slab in self._slabs():
             slab.engines.add(self)
 
@@ -473,6 +479,7 @@ class StreamingEngine:
         for p, host, _ in (x for extras in self._extras.values() for x in extras):
             set_data(p, host)  # the adapter keeps its host values after the removal, as peft put it
         self._mirrors, self._extras, self.adapters = {}, {}, {}
+        self._extras_on = False
 
     def before_evict(self, i: int) -> None:
         """Arena-resident unit ``i`` is about to be pointed at its host copy (evicted): edits made on the
@@ -634,6 +641,7 @@ class StreamingEngine:
             if pid in self._mirrors:
                 extras.setdefault(u, []).append((p, *self._mirrors[pid]))
         self._extras = extras
+        self._extras_on = bool(extras) or bool(self.edits.placeholder)
 
     # ---------------------------------------------------------------------------------------------
     # figures
