@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         x = make_inputs(model, height_tokens=tokens, width_tokens=tokens, text_tokens=512 if not args.tiny else 8,
                         device=dev, dtype=torch.bfloat16)
 
-        def row(name: str, setup: Any, fmt: str = fmt, x: dict = x, model: Any = model,
-                weights: int = weights) -> dict[str, Any]:
+        def row(name: str, setup: Any, fmt: str = fmt, x: dict = x, model: Any = model, weights: int = weights,
+                reference: dict[str, Any] | None = None) -> dict[str, Any]:
             r: dict[str, Any] = {"format": fmt, "row": name, "weights_gib": weights / GIB}
             handle = None
             try:
@@ -107,15 +107,21 @@ def main(argv: list[str] | None = None) -> int:
                 timing = time_forward(model, x, dev, repeats=args.repeats, warmup=2, keep_output=True)
                 r.update(step_s=timing.step_s, first_s=timing.first_call_s, digest=_digest(timing.output[0]),
                          peak_gib=torch.cuda.max_memory_allocated(dev) / GIB if cuda else 0.0)
+                if reference:
+                    r["exact"] = r["digest"] == reference["digest"]
             except ddo_blocks.DdoError as exc:  # ours: refused before anything moved
                 r["refused"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run this format: the row says so
                 r["refused"] = f"failed, {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             finally:
                 if handle is not None:
-                    handle.remove()
+                    try:
+                        handle.remove()
+                    except Exception as exc:  # noqa: BLE001 - the row says so; the next rows still run
+                        r["remove_failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             rows.append(r)
-            print(f"{fmt} / {name}: {r.get('step_s', r.get('refused'))}", flush=True)
+            print(f"{fmt} / {name}: {r.get('step_s', r.get('refused'))} exact={r.get('exact', '-')}"
+                  f"{' ' + r['remove_failed'] if 'remove_failed' in r else ''}", flush=True)
             return r
 
         resident = row("resident", lambda: None)
@@ -124,14 +130,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         for b in args.budgets.split(","):
             budget = int(float(b) * GIB) if not args.tiny else ddo_blocks.minimum_budget(model, device=dev)
-            r = row(f"ours {b} GiB", lambda budget=budget, m=model: ddo_blocks.offload(m, device=dev, vram_budget=budget))
-            if "digest" in r:
-                r["exact"] = r["digest"] == resident["digest"]
-        r = row("diffusers group offloading (block, streams)",
-                lambda m=model: ddo_blocks.offload(m, route="diffusers", device=dev,
-                                           **({"use_stream": False} if not cuda else {})))
-        if "digest" in r:
-            r["exact"] = r["digest"] == resident["digest"]
+            row(f"ours {b} GiB", lambda budget=budget, m=model: ddo_blocks.offload(m, device=dev, vram_budget=budget),
+                reference=resident)
+        row("diffusers group offloading (block, streams)",
+            lambda m=model: ddo_blocks.offload(m, route="diffusers", device=dev, **({"use_stream": False} if not cuda else {})),
+            reference=resident)
         del model
         if cuda:
             torch.cuda.empty_cache()
