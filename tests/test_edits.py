@@ -382,3 +382,49 @@ def test_watched_parameters_copy_and_pickle_as_their_own_class(checkpoint):
     assert all(torch.equal(loaded[n], r) for n, r in pair.ref.named_parameters())
     pair.check("after the copies")
     pair.handle.remove()
+
+
+def test_placeholders_inside_lists_and_their_views_refuse_reads(checkpoint):
+    """``torch.cat([...])`` of parked weights (diffusers' fuse_qkv_projections does it), ``.data`` of a
+    ``.data`` view, a state dict's values stacked: refused, never NaN."""
+    pair = Pair("codec", checkpoint)
+    attn = pair.off.transformer_blocks[0].attn
+    sd = pair.off.state_dict()
+    for read in (lambda: torch.cat([attn.to_q.weight.data, attn.to_k.weight.data]),
+                 lambda: torch.stack([sd["transformer_blocks.0.attn.to_q.weight"]]),
+                 lambda: attn.to_q.weight.data.data.sum(), lambda: sd["transformer_blocks.0.attn.to_q.weight"].data + 1,
+                 lambda: torch._foreach_norm(list(attn.to_q.parameters()))):
+        with pytest.raises(OffloadStateError, match="placeholder"):
+            read()
+    pair.check("after the refused reads")
+    pair.handle.remove()
+
+
+def test_a_refused_edit_does_not_hide_another(checkpoint):
+    """One unit's parameter pointed at another layout (refused) and another unit's weights edited in
+    place: the refusal comes, and the in-place edit is in every call after it."""
+    pair = Pair("linear", checkpoint)
+    first = pair.handle.engine.streamed[0].params[0][1]
+    with torch.no_grad():
+        first.set_(torch.zeros(first.shape[0] + 1, *first.shape[1:]))
+        for m in (pair.ref, pair.off):
+            for p in m.single_transformer_blocks[2].parameters():
+                p.mul_(1.25)
+    with pytest.raises(OffloadStateError, match="was pointed at a"):
+        _run(pair.off, pair.x)
+    name = pair.handle.engine.streamed[0].params[0][0]
+    with torch.no_grad():
+        first.set_(pair.ref.get_parameter(name).detach().clone())  # the user puts it right
+    pair.check("after the refusal")
+    pair.handle.remove()
+
+
+@pytest.mark.parametrize("route", ["linear", "linear-half", "vmm"])
+def test_a_re_pointed_weight_is_kept_by_remove_without_a_call(route, checkpoint):
+    pair = Pair(route, checkpoint)
+    for m in (pair.ref, pair.off):
+        with torch.no_grad():
+            for p in m.single_transformer_blocks.parameters():
+                p.set_(p.detach().clone() * 0.5)
+    pair.handle.remove()
+    pair.check("after remove()")

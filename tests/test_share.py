@@ -165,3 +165,17 @@ def test_an_edit_of_weights_shared_with_a_replica_is_refused_by_both():
     h0.remove()
     edited = _run(model, x)
     assert not torch.equal(edited, ref) and torch.equal(_run(model, x), edited)
+
+
+@pytest.mark.parametrize("removed", ["original", "replica"])
+def test_an_edit_pending_when_one_offload_is_removed_is_refused_by_the_other(removed):
+    model, twin, h0, h1, x, ref = _original_and_replica("all_streamed")
+    for m in (model, twin):
+        _run(m, x)
+    with torch.no_grad():
+        h0.engine.streamed[0].params[0][1].mul_(1.5)  # in a host slab the replica borrows
+    gone, other, other_module = (h0, h1, twin) if removed == "original" else (h1, h0, model)
+    gone.remove()
+    with pytest.raises(ddo_blocks.OffloadStateError, match="which was removed since"):
+        _run(other_module, x)
+    other.remove()

@@ -41,7 +41,7 @@ from .. import _native
 from ..budget import fmt_bytes, parse_bytes
 from ..errors import BudgetError, ConfigError, CudaNotAvailableError, DdoError, OffloadMemoryError
 from ..units import Unit, geometry, span_nbytes, strided_view
-from .edits import set_data
+from .edits import get_data, set_data
 from .slots import TorchSlots
 
 CHUNK_BYTES = 32 << 20
@@ -728,11 +728,15 @@ class Member:
             self.arena.backend.unmap(self.slot_base, 0, self.slot_chunks)
             got += self.slot_chunks
         if got < want and self.home_mapped:
+            edited: bool | None = None
             keep = max(0, self.home_mapped - (want - got))
             cut = keep * self.chunk
             for i, off in enumerate(self.home_offsets):
                 if self.loaded[i] and off + self.host.unit_nbytes[i] > cut:
-                    self.engine.before_evict(i)
+                    if edited is None:
+                        edited = self.engine.resident_edits_pending()
+                    if edited:  # to the host copy it is restored from
+                        self.engine.slots.write_back(i)
                     for (_, p), v in zip(self.units[i].params, self.host.host_views[i]):
                         set_data(p, v)
                     self.loaded[i] = False
@@ -867,7 +871,12 @@ class ArenaSlots(TorchSlots):
         if m.host is None or not m.loaded[i]:
             return  # evicted: the edit went to the host copy itself
         with torch.no_grad():
-            for host, home in zip(m.host.host_views[i], m.home_views[i]):
+            for (_, p), host, home in zip(m.units[i].params, m.host.host_views[i], m.home_views[i]):
+                now = get_data(p)
+                if (now.data_ptr() != home.data_ptr() or now.stride() != home.stride()) and now.shape == home.shape \
+                        and now.dtype == home.dtype:  # pointed elsewhere (p.set_(t)): its values, at its address
+                    home.copy_(now)
+                    set_data(p, home)
                 host.copy_(home)
 
     def call_started(self) -> None:

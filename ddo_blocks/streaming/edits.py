@@ -52,8 +52,10 @@ _ATTR = "_ddo_edit"
 _VERSION = operator.attrgetter("_version")
 
 
-get_data: Callable[[torch.Tensor], torch.Tensor] = _DATA.__get__
-"""``p.data`` without the watch (the engine's own reads): the descriptor itself, no Python frame."""
+def get_data(p: torch.Tensor) -> torch.Tensor:
+    """``p.data`` without the watch (the engine's own reads, placeholders included)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return _DATA.__get__(p)
 
 set_data: Callable[[torch.Tensor, torch.Tensor], None] = _DATA.__set__
 """``p.data = value`` without the watch writing it through (the engine pointing a parameter at a slot
@@ -67,7 +69,9 @@ def _watched_get(self: torch.Tensor) -> torch.Tensor:
     info = self.__dict__.get(_ATTR)
     if info is None:
         return _DATA.__get__(self)
-    if not info[4]:  # an inference tensor has no version counter: any access may be an edit
+    if not info[4] or type(self).__torch_function__ is not torch._C._disabled_torch_function_impl:
+        # an inference tensor has no version counter, and a subclass with its own torch function
+        # (GGUF's) keeps its class through .data: any access may be an edit
         info[0].touched.add(info[1])
         return _DATA.__get__(self)
     # a view that shares the parameter's version counter (``.data`` would get one of its own): an edit
@@ -143,7 +147,6 @@ _PROPERTIES = frozenset({
     "shape", "dtype", "device", "requires_grad", "is_cuda", "is_cpu", "is_meta", "ndim", "grad", "grad_fn",
     "_version", "layout", "is_leaf", "names", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes",
     "output_nr", "_base", "_cdata", "is_mps", "is_xpu", "_backward_hooks", "_post_accumulate_grad_hooks",
-    "data",  # the raw descriptor only (the engine's get_data): the class's own data property wraps the values
 })
 """The properties a parked placeholder answers (``.T``, ``.mT``, ``.real`` and the like would be values)."""
 
@@ -154,24 +157,27 @@ def _parked_view(data: torch.Tensor, info: tuple) -> torch.Tensor:
     return view
 
 
+def _parked_in(args: tuple, kwargs: dict | None) -> torch.Tensor | None:
+    """The first tensor carrying a watch among the arguments, nested ones included (``torch.cat([...])``)."""
+    for a in torch.utils._pytree.tree_leaves((args, kwargs or {})):
+        if isinstance(a, torch.Tensor) and _ATTR in a.__dict__:
+            return a
+    return None
+
+
 def _parked_torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
     name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):
-        prop = getattr(getattr(func, "__self__", None), "__name__", "")
-        allowed = name == "__set__" or prop in _PROPERTIES
-    else:
-        allowed = name in _METADATA
-    if allowed:
+    prop = getattr(getattr(func, "__self__", None), "__name__", "") if name in ("__get__", "__set__") else ""
+    if name == "__set__" or (name == "__get__" and prop in _PROPERTIES and prop != "data") or name in _METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
-    parked = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)
-                   and _ATTR in a.__dict__), None)
-    if parked is None:  # a parameter whose offload was removed while it stayed parked: no watch to ask
+    parked = _parked_in(args, kwargs)
+    if parked is None:  # no watch to name (its offload was removed): plain behaviour
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
     info = parked.__dict__[_ATTR]
     watch, pname = info[0], info[2]
-    if name == "detach":  # state_dict(): a detached placeholder refuses reads as the parameter does
+    if name == "detach" or prop == "data":  # state_dict(), .data: a view that refuses reads as the parameter does
         with torch._C.DisableTorchFunctionSubclass():
             return _parked_view(func(*args, **(kwargs or {})), info)
     if name == "__repr__":
@@ -356,6 +362,10 @@ class EditWatch:
     def write(self, p: nn.Parameter, info: tuple, value: Any) -> None:
         """``p.data = value``: the values go into the memory ``p`` points at (and its host copy)."""
         _, key, name, i, _ = info
+        if key[0] == "adapter":  # its own memory, no layout to keep: it points there; its device copy follows
+            _DATA.__set__(p, value)
+            self.touched.add(key)
+            return
         now = _DATA.__get__(p)
         if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
             raise OffloadStateError(

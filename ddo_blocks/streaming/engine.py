@@ -39,6 +39,12 @@ MIRROR_ON_CPU = False
 """Give adapters a device copy on the CPU engine too (tests of the GPU's adapter path)."""
 
 
+def _device_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An adapter's device copy: an ordinary tensor, whatever mode the call that makes it runs in."""
+    with torch.inference_mode(False):
+        return host.to(device, copy=True)
+
+
 class StreamingEngine:
     """Streams one component's units through K device slots. Built by the linear, nvme and sdnq routes.
 
@@ -141,6 +147,8 @@ class StreamingEngine:
         """The watch over the weights users may edit while attached (``edits.py``)."""
         self._extras_on = False
         """Whether binding and parking a unit has more to do than point its parameters (set by the watch)."""
+        self._tainted = False
+        """An offload sharing this one's host copies was removed with an edit of them pending."""
         self._tree: int | None = None
         self._known: set[int] = set()
         self._home: dict[tuple[int, str], nn.Parameter] = {}
@@ -265,10 +273,14 @@ class StreamingEngine:
         brought back what only it holds, the offload is gone (``attached`` is False), even if a
         later step raises."""
         watched = self.edits is not None
-        if watched and self._attached:  # edits of arena-resident units since the last call: to their host copy
+        if watched and self._attached:  # edits since the last call: into the host copies the removal reads
+            self._taint_sharers()
             for kind, i in self.edits.changed():
                 if kind == "resident":
                     self.slots.write_back(i)
+                elif kind == "streamed":
+                    with contextlib.suppress(OffloadStateError):  # another layout: the parameter keeps it
+                        self._repark(i)
         self._unwatch()  # the parts below point parameters at their own memory again
         try:
             deferred = self.store.before_release()  # raises to keep the offload in place
@@ -458,6 +470,12 @@ class StreamingEngine:
         """Host copies shared with another offload (``share_weights`` / ``replica``: the streamed units'
         are shared, what each keeps resident is its own): an edit through either module would change
         both, so it is refused at the next call of each (until both are removed)."""
+        if self._tainted:
+            raise OffloadStateError(
+                f"weights of {type(self.module).__name__} were edited through the offload it shared its host copies "
+                "with (ddo_blocks.replica / share_weights), which was removed since: this module may compute with "
+                "part of that edit. Call remove() on this handle, then edit, offload and make the replica again"
+            )
         shared = [slab for slab in self._slabs() if slab.users > 1]
         if not shared:
             return
@@ -466,11 +484,21 @@ class StreamingEngine:
         if edited:
             names = " and ".join(sorted({type(e.module).__name__ for e in edited}))
             raise OffloadStateError(
-                f"weights of {names} were read through .data or edited while it shares its host copies with another "
+                f"weights of {names} were edited while it shares its host copies with another "
                 "offload (ddo_blocks.replica / share_weights): the shared streamed weights and each offload's own "
                 "resident copies would disagree. Call remove() on both handles, edit the model, then offload it "
                 "and make the replica again"
             )
+
+    def _taint_sharers(self) -> None:
+        """Removing this offload while an edit of shared host copies is pending: the others sharing them
+        refuse their calls from now on (the edit may have reached their streamed units)."""
+        for slab in self._slabs():
+            if slab.users > 1:
+                engines = [e for e in list(slab.engines) if e is not self and e.edits is not None]
+                if self.edits.pending("streamed") or any(e.edits.pending("streamed") for e in engines):
+                    for e in engines:
+                        e._tainted = True
 
     def _unwatch(self) -> None:
         if self.edits is not None:
@@ -481,11 +509,9 @@ class StreamingEngine:
         self._mirrors, self._extras, self.adapters = {}, {}, {}
         self._extras_on = False
 
-    def before_evict(self, i: int) -> None:
-        """Arena-resident unit ``i`` is about to be pointed at its host copy (evicted): edits made on the
-        device since the last call go there first."""
-        if self.edits is not None and self.edits.pending("resident"):
-            self.slots.write_back(i)
+    def resident_edits_pending(self) -> bool:
+        """Whether an arena-resident unit was edited since the last call (an eviction writes them back)."""
+        return self.edits is not None and self.edits.pending("resident")
 
     def _host_copy(self, key: Key, j: int) -> torch.Tensor | None:
         """Where an assignment to a watched parameter must also go: its host copy, when the parameter
@@ -506,18 +532,7 @@ class StreamingEngine:
         self._refuse_shared_edits()
         dirty = self.edits.changed()
         if dirty:
-            streamed = {i for kind, i in dirty if kind == "streamed"}
-            for u in streamed:
-                self._repark(u)
-            if streamed:
-                self.scheduler.refetch(streamed)
-            for kind, i in dirty:
-                if kind == "resident":
-                    self.slots.write_back(i)
-                elif kind == "adapter":
-                    with torch.no_grad():
-                        for _, host, mirror in self._extras.get(i, ()):
-                            mirror.copy_(host)
+            self._apply_edits(dirty)
         tree = self.scheduler.tree
         swapped = [pid for pid in self._mirrors if not self.edits.watches(self.adapters[pid])]
         if swapped:  # torch.utils.swap_tensors (peft's hot-swap to a larger rank) took its watch away
@@ -529,6 +544,40 @@ class StreamingEngine:
             self.scheduler.refresh_modules()
             self._follow_structure()
             self._tree = self.scheduler.check_tree()
+
+    def _apply_edits(self, dirty: set[Key]) -> None:
+        """Settles the edited groups: every one is settled even when one is refused (a parameter pointed
+        at another layout), which is raised after, and stays to be refused at the next call."""
+        refused: OffloadStateError | None = None
+        streamed = {i for kind, i in dirty if kind == "streamed"}
+        for u in streamed:
+            try:
+                self._repark(u)
+            except OffloadStateError as exc:
+                refused = refused or exc
+                self.edits.touched.add(("streamed", u))
+        if streamed:
+            self.scheduler.refetch(streamed)
+        for kind, i in dirty:
+            if kind == "resident":
+                self.slots.write_back(i)
+            elif kind == "adapter":
+                self._refresh_adapters(i)
+        if refused is not None:
+            raise refused
+
+    def _refresh_adapters(self, u: int) -> None:
+        """Unit ``u``'s adapters' device copies take their host values (edited, or pointed elsewhere)."""
+        extras = self._extras.get(u, [])
+        for j, (p, host, mirror) in enumerate(extras):
+            now = get_data(p)
+            if now.data_ptr() != host.data_ptr() or now.shape != host.shape or now.dtype != host.dtype:
+                host, mirror = now, _device_copy(now, self.device)
+                self._mirrors[id(p)] = (host, mirror)
+                extras[j] = (p, host, mirror)
+            else:
+                with torch.inference_mode(False), torch.no_grad():
+                    mirror.copy_(host)
 
     def _repark(self, u: int) -> None:
         """An edited streamed unit's parameters all point at their host copy again: one pointed at other
@@ -635,8 +684,12 @@ class StreamingEngine:
             if pid not in self.adapters:
                 self.adapters[pid] = p
                 host = get_data(p)
-                if host.device != self.device or MIRROR_ON_CPU:
-                    self._mirrors[pid] = (host, host.to(self.device, copy=True))
+                if host.is_inference():  # no version counter to see an edit by: its only copy, on the device
+                    if host.device != self.device:
+                        with torch.inference_mode():
+                            set_data(p, host.to(self.device))
+                elif host.device != self.device or MIRROR_ON_CPU:
+                    self._mirrors[pid] = (host, _device_copy(host, self.device))
                 self.edits.add(("adapter", u), name, p)
             if pid in self._mirrors:
                 extras.setdefault(u, []).append((p, *self._mirrors[pid]))
