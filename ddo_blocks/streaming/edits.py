@@ -8,25 +8,27 @@ contract, enforced here for every parameter whose values the engine keeps somewh
 the parameter points (the streamed units', and the arena's resident units' on the vmm route):
 
 - **Seen.** Between calls a streamed parameter points at its host copy, so an edit through it
-  lands there. Each such parameter gets a subclass of its own class whose ``data`` property notes
-  every access (any ``.data`` read may be written through) and writes an assignment
-  (``p.data = t``) into the memory the parameter points at (and the host copy, if that is
-  elsewhere) instead of re-pointing it; in-place operations on the parameter itself
-  (``p.copy_``, ``load_state_dict``) move its version counter, which is compared at every call's
-  start. At that start the engine settles what changed: prefetched copies of changed units are
-  fetched again from the host, and arena-resident units edited on the device are copied back to
-  their host copy (they are evicted and restored from it).
+  lands there. Each such parameter gets a subclass of its own class whose ``data`` property returns
+  a view sharing the parameter's version counter (an edit through ``.data``, or through an alias of
+  it kept for later, moves the counter) and writes an assignment (``p.data = t``, ``p.data += d``)
+  into the memory the parameter points at (and the host copy, if that is elsewhere) instead of
+  re-pointing it; in-place operations on the parameter itself (``p.copy_``, ``load_state_dict``)
+  move the counter too. The engine compares the counters at every call's start and settles what
+  changed: prefetched slot copies of changed units are fetched again from the host, a parameter
+  pointed at other memory (``p.set_(t)``) gives its values to its host copy, arena-resident units
+  edited on the device are copied back to their host copy (they are evicted and restored from it).
 - **Refused.** Where a unit's host copy is not its values (a coded unit, a unit read from disk),
-  its parameters point at placeholders between calls; there the subclass refuses any read of its
-  values, any ``.data`` access and any operation (``OffloadStateError`` naming the parameter and what
-  works) instead of letting a placeholder reach user code. An assignment of another shape or dtype,
-  or of a tensor subclass, is refused too: the unit's layout was fixed at offload time.
+  its parameters point at placeholders between calls; there a parked subclass refuses any read of
+  their values and any operation that gets one, lists of tensors included (``OffloadStateError``
+  naming the parameter and what works), instead of letting a placeholder reach user code; shape,
+  dtype and device answer, through ``.data`` and ``state_dict()`` too. An assignment of another
+  shape or dtype, or of a tensor subclass, is refused: the unit's layout was fixed at offload time.
 - **Structure.** A layer added inside a streamed unit after the offload (a LoRA's ``lora_A`` /
-  ``lora_B``, a DoRA magnitude) is an adapter: small, it runs where peft puts it (on a GPU offload,
-  moved to the device once and kept there, so switching adapters or their strengths moves no base
-  bytes). A streamed parameter replaced by another, or held by a module that runs outside its
-  unit (a layer swapped out of a unit), is refused at the next call: the unit's plan no longer
-  describes the model.
+  ``lora_B``, a DoRA magnitude) is an adapter: watched, and on a GPU given a device copy its unit
+  points it at while it runs (peft edits it on the host, beside the parked base weight; switching
+  adapters or their strengths moves no base bytes). A streamed parameter replaced by another, or
+  held by a module that runs outside its unit, is refused at the next call: the unit's plan no
+  longer describes the model (the engine's ``_follow_structure``).
 
 Everything is undone by ``remove()``: the parameters get their own class back.
 """
@@ -56,6 +58,7 @@ def get_data(p: torch.Tensor) -> torch.Tensor:
     """``p.data`` without the watch (the engine's own reads, placeholders included)."""
     with torch._C.DisableTorchFunctionSubclass():
         return _DATA.__get__(p)
+
 
 set_data: Callable[[torch.Tensor, torch.Tensor], None] = _DATA.__set__
 """``p.data = value`` without the watch writing it through (the engine pointing a parameter at a slot
