@@ -600,10 +600,11 @@ class StreamingEngine:
 
     def _follow_structure(self) -> None:
         """The module tree changed since the last call: tensors added inside streamed units (a LoRA's
-        layers, a DoRA magnitude) are adapters, kept on the device; a unit whose module left the tree
-        while another module holds its parameters (peft's unload of a LoRA loaded before the offload
-        puts the base layer back in the LoRA layer's place) follows them to that module; a streamed
-        parameter replaced by another, or held by a module outside its unit otherwise, is refused."""
+        layers, a DoRA magnitude) are adapters (``_set_adapters``); a new module around a unit's module
+        takes its hooks; a unit whose module left the tree while another module holds its parameters
+        (peft's unload of a LoRA loaded before the offload puts the base layer back in the LoRA layer's
+        place) follows them to that module; a streamed parameter replaced by another, or held by a module
+        outside its unit otherwise, is refused."""
         owner = {id(p): u for u, unit in enumerate(self.streamed) for _, p in unit.params}
         unit_of = {id(unit.module): u for u, unit in enumerate(self.streamed)}
         component = type(self.module).__name__
