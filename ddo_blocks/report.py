@@ -41,7 +41,8 @@ class Report:
     def rows(self) -> list[tuple[str, str, str]]:
         """(section, field, value) rows with units, in display order."""
         out: list[tuple[str, str, str]] = []
-        for section in ("plan", "setup", "runtime", "memory", "codec", "arena", "graph", "roofline", "auto_budget"):
+        for section in ("plan", "setup", "runtime", "memory", "codec", "arena", "graph", "roofline", "auto_budget",
+                        "edits"):
             for key, value in self.data.get(section, {}).items():
                 out.append((section, key, _fmt(key, value)))
         return out
