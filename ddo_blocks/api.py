@@ -532,6 +532,7 @@ def offload(
     _check_not_offloaded(module)
     routes.resolve(route, preset)  # names first: errors list the valid ones
     spec = routes.for_module(route, preset, module)
+    _check_keywords(options, spec)
     if spec.places_weights:
         conflict = guards.foreign_offload(module)
         if conflict is not None:
@@ -574,6 +575,26 @@ def offload(
     log.info("offloaded %s: route=%s preset=%s (asked %s), vram_budget=%s, on %s in %.2f s", handle.component,
              spec.name, chosen.name, preset, "none" if budget is None else f"{budget} bytes", dev, engine.setup_s)
     return handle
+
+
+_OFFLOAD_KEYWORDS = ("route", "preset", "vram_budget", "device", "component")
+
+
+def _check_keywords(options: dict[str, Any], spec: routes.RouteSpec) -> None:
+    """Names a keyword neither ``offload()`` nor the route takes (a typo such as ``devcie=``) before
+    anything else is looked at, with the closest one that exists."""
+    import difflib
+
+    known = (*_OFFLOAD_KEYWORDS, *spec.options)
+    unknown = sorted(k for k in options if k not in known and not k.startswith("_"))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        what = f"its options are {', '.join(spec.options)}" if spec.options else "it takes no options"
+        raise ConfigError(
+            f"route {spec.name!r} does not take {', '.join(unknown)}{hint}; {what} (and offload() itself takes "
+            f"{', '.join(_OFFLOAD_KEYWORDS)})"
+        )
 
 
 def _auto_budget(module: nn.Module, spec: routes.RouteSpec, options: dict[str, Any],

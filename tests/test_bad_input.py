@@ -241,3 +241,17 @@ def test_the_smallest_plan_with_a_codec_on_the_cpu_streams_every_unit():
     with torch.no_grad():
         assert torch.equal(model(**x)[0], ref)
     handle.remove()
+
+
+@pytest.mark.parametrize("kwargs, name, hint", [
+    ({"devcie": "cpu"}, "devcie", "device"),
+    ({"device": "cpu", "codek": "fixed"}, "codek", "codec"),
+    ({"device": "cpu", "route": "diffusers", "bogus": 1}, "bogus", None),
+])
+def test_an_unknown_keyword_is_named_before_anything_else(flux, kwargs, name, hint):
+    """A typo is named (with the closest keyword that exists), not met later as a CUDA error about the
+    default device or a route's own refusal."""
+    match = f"does not take {name}" + (f" \\(did you mean {hint!r}\\?\\)" if hint else "")
+    with pytest.raises(ConfigError, match=match):
+        ddo_blocks.offload(flux, **kwargs)
+    assert ddo_blocks.get_handle(flux) is None
