@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 
@@ -50,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         return _doctor()
     from .errors import DdoError
 
+    missing = [name for name in ("transformers", "tokenizers") if importlib.util.find_spec(name) is None]
+    if missing:  # the embedded pipeline's text encoders and tokenizers
+        print(f"error: `ddo run` builds a tiny pipeline with text encoders, which needs {' and '.join(missing)}: "
+              "pip install 'ddo-blocks[pipelines]' (or pip install transformers tokenizers)", file=sys.stderr)
+        return 2
     try:
         return mainjob.run(args)
     except DdoError as exc:

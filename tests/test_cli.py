@@ -155,3 +155,16 @@ def _run_help() -> str:
     p = argparse.ArgumentParser()
     mainjob.add_arguments(p)
     return p.format_help()
+
+
+def test_run_without_transformers_names_the_extra(monkeypatch, capsys):
+    """After a plain wheel install (no transformers), `ddo run` says what to install instead of a raw
+    ModuleNotFoundError."""
+    import importlib.util
+
+    from ddo_blocks.__main__ import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert main(["run"]) == 2
+    assert "pip install 'ddo-blocks[pipelines]'" in capsys.readouterr().err
