@@ -365,7 +365,6 @@ class StreamingEngine:
             for p, host, _ in self._extras.get(u, ()):
                 set_data(p, host)
 
-
     def bytes_moved(self) -> int:
         return (self.transport.stats()[1] if self.transport is not None else 0) + self.graph_bytes
 
@@ -519,9 +518,7 @@ class StreamingEngine:
         kind, i = key
         if kind == "resident":
             return self.slots.host_copy(i, j)
-        if kind == "adapter":
-            return None  # parked on its host values between calls; its device copy is refreshed
-        return self.store.host_views(i)[j]
+        return self.store.host_views(i)[j]  # (an adapter's assignment never asks: it points at the value)
 
     def _settle_edits(self) -> None:
         """At a call's start: prefetched copies of edited streamed units are fetched again (their host
@@ -581,7 +578,7 @@ class StreamingEngine:
 
     def _repark(self, u: int) -> None:
         """An edited streamed unit's parameters all point at their host copy again: one pointed at other
-        memory (``p.set_(t)``, ``torch.utils.swap_tensors``) gives its values to the host copy first."""
+        memory (``p.set_(t)``) gives its values to the host copy first."""
         if u in self.edits.placeholder:
             return  # its parameters refuse every change between calls
         with torch.no_grad():
